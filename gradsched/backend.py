@@ -1,0 +1,71 @@
+"""The torch.compile backend "gradsched".
+
+    torch.compile(model, backend="gradsched", options={"plan": plan, ...SyncOptions...})
+
+Dynamo hands us the forward graph with parameters as inputs; AOTAutograd
+splits it into forward and backward; the backward goes to the stage's GradSync,
+which runs the pass pipeline (gradsched.passes) and compiles the result. With
+`options["plan"].cp > 1`, attention is lowered into ring steps first.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from .compile import compile_graph
+from .options import SyncOptions
+
+_KEY = re.compile(r"\['([^']+)'\]|\.([A-Za-z_]\w*)")
+
+
+def param_name_from_source(source_name: str) -> str:
+    """L['self']._modules['layers']._modules['0']._parameters['weight'] -> layers.0.weight"""
+    rest = source_name.split("]", 1)[1] if source_name.startswith("L[") else source_name
+    parts = [a or b for a, b in _KEY.findall(rest)]
+    return ".".join(p for p in parts if p not in ("_modules", "_parameters", "_buffers"))
+
+
+def parameter_inputs(gm: fx.GraphModule, example_inputs) -> dict[int, tuple[str, torch.nn.Parameter]]:
+    """Graph input index -> (parameter name, the Parameter) for every trainable parameter input."""
+    found = {}
+    for i, (ph, ex) in enumerate(zip(gm.graph.find_nodes(op="placeholder"), example_inputs)):
+        if isinstance(ex, torch.nn.Parameter) and ex.requires_grad:
+            arg = ph.meta.get("grapharg")
+            found[i] = (param_name_from_source(arg.source.name) if arg is not None else ph.name, ex)
+    return found
+
+
+def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None):
+    """Dynamo backend entry point (registered as "gradsched")."""
+    options = dict(options or {})
+    plan = options.pop("plan", None)
+    grad_sync = options.pop("grad_sync", grad_sync)
+    if grad_sync is None:
+        if plan is None:
+            raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '
+                             "(or use gradsched.parallelize).")
+        from .runtime import GradSync
+        grad_sync = GradSync(plan, SyncOptions.from_dict(options))
+    params = parameter_inputs(gm, example_inputs)
+    compiler = grad_sync.options.compiler
+
+    def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
+        descs = bw_gm.graph.output_node().meta.get("desc") or []
+        grad_names = {}
+        for out_idx, desc in enumerate(descs):
+            of = getattr(desc, "grad_of", None)
+            idx = getattr(of, "idx", None)
+            if idx in params:
+                grad_names[out_idx] = params[idx][0]
+        return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()})
+
+    def fw_compiler(fw_gm: fx.GraphModule, fw_inputs):
+        return compile_graph(fw_gm, fw_inputs, compiler)
+
+    from torch._inductor.decomposition import select_decomp_table
+    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),
+                        partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)

@@ -1,0 +1,113 @@
+"""Where each context-parallel rank's tokens come from, and how to put outputs back.
+
+Load-balanced layout (load_balance=True, what the causal ring expects): the sequence
+is cut into 2*cp equal chunks and rank r holds chunks r and 2cp-1-r, in that order.
+Under a causal mask the early chunk has little to attend to and the late one much, so
+every rank gets the same work. Plain layout (load_balance=False): rank r holds chunk r
+of cp.
+
+    cp=2, S=8:  rank 0 holds positions 0 1 | 6 7   rank 1 holds 2 3 | 4 5
+
+Everything a rank feeds the model is cut the same way, so each token keeps its own
+position id (rotary embeddings read positions from position_ids, not from the index
+in the local tensor) and its own label. Labels are shifted for next-token prediction
+BEFORE cutting: the label of position t is token t+1, which may sit on another rank.
+The loss must then not shift again (Hugging Face: pass them as `shift_labels=`), and
+a mean over tokens must be taken over the whole sequence: sum the local losses and
+divide by the number of labelled tokens of all ranks.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CPLayoutError(ValueError):
+    """A sequence that cannot be cut into the context-parallel layout."""
+
+
+def rank_chunks(rank: int, cp: int, load_balance: bool = True) -> tuple[int, ...]:
+    """The chunk indices rank holds, in local order (chunks of S/(2cp), or S/cp if plain)."""
+    return (rank, 2 * cp - 1 - rank) if load_balance else (rank,)
+
+
+def _check(seq_len: int, cp: int, load_balance: bool) -> int:
+    n = 2 * cp if load_balance else cp
+    if seq_len % n:
+        what = f"2*cp={n} (load-balanced layout)" if load_balance else f"cp={n}"
+        raise CPLayoutError(
+            f"context-parallel layout: the sequence length {seq_len} is not divisible by {what}. "
+            f"Pad the sequence to a multiple of {n} with pad_to_multiple(), or change cp.")
+    return seq_len // n
+
+
+def shard_index(seq_len: int, cp: int, rank: int, load_balance: bool = True,
+                device=None) -> torch.Tensor:
+    """Positions (in the full sequence) that rank holds, in its local order."""
+    size = _check(seq_len, cp, load_balance)
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in rank_chunks(rank, cp, load_balance)])
+
+
+def layout_order(seq_len: int, cp: int, load_balance: bool = True, device=None) -> torch.Tensor:
+    """Full-sequence position of each slot of the ranks' shards laid end to end."""
+    return torch.cat([shard_index(seq_len, cp, r, load_balance, device) for r in range(cp)])
+
+
+def shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1, load_balance: bool = True):
+    """The part of x (whole sequence along `dim`) that rank holds."""
+    return x.index_select(dim, shard_index(x.shape[dim], cp, rank, load_balance, x.device))
+
+
+def unshard(shards, cp: int, dim: int = 1, load_balance: bool = True) -> torch.Tensor:
+    """Inverse of shard: every rank's part (a list in rank order) -> the natural order."""
+    if len(shards) != cp:
+        raise CPLayoutError(f"unshard: {len(shards)} shards given for cp={cp}; pass one per rank.")
+    laid = torch.cat(list(shards), dim=dim)
+    order = layout_order(laid.shape[dim], cp, load_balance, laid.device)
+    return laid.index_select(dim, torch.argsort(order))
+
+
+def gather_sequence(x: torch.Tensor, group, dim: int = 1, load_balance: bool = True):
+    """All ranks' parts of a sequence tensor (the CP group by name or ProcessGroup), in
+    natural order. Not differentiable: for outputs, metrics and checks."""
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as fc
+
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    cp = dist.get_world_size(group)
+    laid = fc.wait_tensor(fc.all_gather_single(x.contiguous(), dim, group))
+    return unshard(laid.chunk(cp, dim=dim), cp, dim, load_balance)
+
+
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100, dim: int = 1) -> torch.Tensor:
+    """Next-token targets: position t gets labels[t+1]; the last position gets ignore_index."""
+    shifted = labels.roll(-1, dims=dim)
+    shifted.narrow(dim, labels.shape[dim] - 1, 1).fill_(ignore_index)
+    return shifted
+
+
+def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1, value=0) -> torch.Tensor:
+    """x padded at the end of `dim` to a multiple of `multiple` (e.g. 2*cp)."""
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def shard_causal_lm_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                          position_ids: torch.Tensor | None = None, *, cp: int, rank: int,
+                          load_balance: bool = True, ignore_index: int = -100) -> dict:
+    """A rank's share of a causal-LM batch ([B, S] tensors): input_ids, position_ids and,
+    given labels (unshifted, as Hugging Face takes them), shift_labels: already shifted
+    for next-token loss, so each rank scores exactly the positions it holds."""
+    seq = input_ids.shape[1]
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
+    batch = {"input_ids": shard(input_ids, cp, rank, 1, load_balance),
+             "position_ids": shard(position_ids, cp, rank, 1, load_balance)}
+    if labels is not None:
+        batch["shift_labels"] = shard(shift_labels(labels, ignore_index), cp, rank, 1, load_balance)
+    return batch

@@ -1,0 +1,111 @@
+"""The distributed optimizer: each data-parallel rank steps any torch.optim optimizer over its shards.
+
+The sync graph leaves, per bucket, this rank's reduced gradient shard. The
+optimizer holds an fp32 master copy of the matching parameter shard, steps it
+with the wrapped torch.optim optimizer (elementwise optimizers such as AdamW
+give exactly what they give unsharded), then all-gathers the buckets and
+writes the parameters back. Tied copies receive identical gradients, so they
+stay equal.
+
+With shard=False (plain data parallel) the reduced gradients are already in
+.grad and the optimizer is an ordinary one over the full parameters.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_SHARDED = weakref.WeakSet()  # parameters whose gradients only exist as shards
+
+
+def mark_sharded(params) -> None:
+    _SHARDED.update(params)
+
+
+def _refuse_full_parameter_step(optimizer, args, kwargs):
+    if any(p in _SHARDED for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
+            ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "
+            f"torch.optim.{type(optimizer).__name__}, ...) instead, or shard=False for plain data parallel.")
+
+
+register_optimizer_step_pre_hook(_refuse_full_parameter_step)
+
+
+class DistributedOptimizer:
+    def __init__(self, model, optimizer_class, **optimizer_kwargs):
+        if isinstance(optimizer_class, torch.optim.Optimizer):
+            n = sum(len(g["params"]) for g in optimizer_class.param_groups)
+            raise TypeError(
+                f"DistributedOptimizer got an already built {type(optimizer_class).__name__} over {n} full "
+                "parameter tensors; a distributed optimizer steps only this rank's shards, which exist after "
+                "the first backward. Pass the class and its arguments: "
+                f"DistributedOptimizer(model, torch.optim.{type(optimizer_class).__name__}, lr=...).")
+        self.model = model
+        self.optimizer_class, self.kwargs = optimizer_class, optimizer_kwargs
+        self.optimizer = None
+        self.shards: list[torch.nn.Parameter] = []
+
+    @property
+    def sync(self):
+        """The stage's GradSync (a ParallelModel builds it lazily, at its first step)."""
+        sync = getattr(self.model, "grad_sync", self.model)
+        if sync is None:
+            raise RuntimeError("DistributedOptimizer.step() before the model's first train_step.")
+        return sync
+
+    def _build(self):
+        st = self.sync._require_state()
+        if not self.sync.options.shard:
+            self.optimizer = self.optimizer_class(list(st.params.values()), **self.kwargs)
+            return
+        pg, ranks, me = self.sync._grad_group()
+        for b in st.layout.buckets:
+            flat = self._flat_params(b)
+            size = b.shard_numel(len(ranks))
+            self.shards.append(torch.nn.Parameter(flat[me * size:(me + 1) * size].float().clone()))
+        self.optimizer = self.optimizer_class(self.shards, **self.kwargs)
+
+    def _flat_params(self, b) -> torch.Tensor:
+        st = self.sync.state
+        flat = torch.zeros(b.numel, dtype=torch.float32)
+        for s in b.slots:
+            flat[s.offset:s.offset + s.numel] = st.params[s.name].detach().reshape(-1).float()
+        return flat
+
+    @torch.no_grad()
+    def step(self):
+        if self.optimizer is None:
+            self._build()
+        if not self.sync.options.shard:
+            self.optimizer.step()
+            return
+        st = self.sync.state
+        if len(st.results) != len(self.shards):
+            raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
+                               "step's backward passes (and flush() under pipeline parallelism) first.")
+        for shard, g in zip(self.shards, st.results):
+            shard.grad = g.float()
+        self.optimizer.step()
+        pg, ranks, _ = self.sync._grad_group()
+        for b, shard in zip(st.layout.buckets, self.shards):
+            full = torch.empty(b.numel, dtype=torch.float32)
+            dist.all_gather_into_tensor(full, shard.detach(), group=pg)
+            for s in b.slots:
+                p = st.params[s.name]
+                p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))
+        st.results = []
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none)
+        state = getattr(getattr(self.model, "grad_sync", self.model), "state", None)
+        for p in state.params.values() if state else []:
+            p.grad = None
+
+    def state_dict(self):
+        return self.optimizer.state_dict() if self.optimizer else {}

@@ -1,0 +1,68 @@
+"""Options of the gradient-sync passes, validated once with readable errors."""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
+PLACEMENTS = ("auto", "backward", "flush")
+COMPILERS = ("inductor", "eager")
+
+
+@dataclass
+class SyncOptions:
+    """What the gradient-sync passes build.
+
+    mode       tied_first: all-reduce tied gradients over the tie group, then
+                 reduce over data parallel (always correct).
+               shard_aligned: reduce-scatter first, then all-reduce only the owned
+                 shard of the tied gradient (dp x fewer bytes); runs only if the
+                 verifier proves every tie-group member shards it identically.
+               unsafe_rs_first: Megatron-LM #844's order, kept to demonstrate the
+                 hazard; refused unless allow_hazard=True.
+    shard      True: reduce-scatter buckets (distributed optimizer); False: all-reduce.
+    placement  backward: collectives inside the last micro-batch's backward graph,
+                 overlapping the remaining backward compute (pp == 1);
+               flush: one compiled sync graph after the pipeline flush (pp > 1:
+                 a stage's backward cannot wait on other stages before it has
+                 sent its input gradient); auto picks by pp.
+    """
+    mode: str = "tied_first"
+    shard: bool = True
+    bucket_mb: float = 25.0
+    reduce_dtype: torch.dtype | None = None  # e.g. torch.float32 to reduce bf16 grads in fp32
+    average: bool = True
+    microbatches: int = 1
+    placement: str = "auto"
+    compiler: str = "inductor"
+    allow_hazard: bool = False
+    check_ranks: bool = True  # exchange collective fingerprints before the first collective
+    dump_dir: str | None = None
+
+    def __post_init__(self):
+        def bad(name, value, allowed):
+            raise ValueError(f"gradsched option {name}={value!r} is not one of {allowed}.")
+        if self.mode not in MODES:
+            bad("mode", self.mode, MODES)
+        if self.placement not in PLACEMENTS:
+            bad("placement", self.placement, PLACEMENTS)
+        if self.compiler not in COMPILERS:
+            bad("compiler", self.compiler, COMPILERS)
+        if self.bucket_mb <= 0:
+            raise ValueError(f"gradsched option bucket_mb={self.bucket_mb} must be > 0.")
+        if self.microbatches < 1:
+            raise ValueError(f"gradsched option microbatches={self.microbatches} must be >= 1.")
+        if self.mode != "tied_first" and not self.shard:
+            raise ValueError(
+                f"mode={self.mode!r} orders the tie all-reduce against a reduce-scatter, so it needs "
+                "shard=True (distributed optimizer); with all-reduce buckets use mode='tied_first'.")
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SyncOptions":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown gradsched option(s) {unknown}; known: {sorted(known)}.")
+        return cls(**d)

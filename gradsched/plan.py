@@ -1,0 +1,156 @@
+"""The parallel plan: pipeline x data x context parallel sizes over torch.distributed.
+
+Rank layout (context fastest, then data, then pipeline), as Megatron does:
+
+    rank = base + (pp_idx * dp + dp_idx) * cp + cp_idx
+
+so a pipeline stage's dp x cp ranks are contiguous, which keeps data-parallel
+traffic inside a node when nodes hold whole stages. Every group is built here,
+by every rank, in one fixed order (new_group is itself a collective).
+
+Groups:
+  grad   the ranks of one stage (dp x cp): gradients are reduced over it.
+  dp     same stage and cp index.     cp   same stage and dp index.
+  pp     same dp and cp index, one rank per stage (activations travel here).
+  tie    for a set of stages holding copies of one weight: the ranks of those
+         stages with this rank's dp and cp index. Derived from the ties found,
+         never hand-listed.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+
+class PlanError(ValueError):
+    """A plan that cannot be laid over the processes at hand."""
+
+
+@dataclass
+class ParallelPlan:
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    group: dist.ProcessGroup | None = None  # None: the default (world) group
+    _groups: dict = field(default_factory=dict, repr=False)
+    _tie_groups: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_world(cls, pp: int = 1, cp: int = 1, dp: int | None = None,
+                   group: dist.ProcessGroup | None = None) -> "ParallelPlan":
+        """Lay the plan over `group` (default: the world), inferring dp if omitted.
+
+        Starts the default process group from torchrun's environment (RANK,
+        WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when none is running yet.
+        """
+        if not dist.is_initialized():
+            init_from_env()
+        world = dist.get_world_size(group)
+        for name, size in (("pp", pp), ("cp", cp)):
+            if size < 1:
+                raise PlanError(f"{name}={size}: every parallel size must be >= 1.")
+        if dp is None:
+            if world % (pp * cp):
+                raise PlanError(
+                    f"pp={pp} x cp={cp} does not divide the world size {world}: "
+                    f"start a multiple of {pp * cp} processes, or change pp/cp.")
+            dp = world // (pp * cp)
+        if dp < 1 or pp * dp * cp != world:
+            raise PlanError(
+                f"pp={pp} x dp={dp} x cp={cp} = {pp * dp * cp} processes, but the world has "
+                f"{world}: choose sizes whose product is {world}, or leave dp out to infer it.")
+        plan = cls(pp=pp, dp=dp, cp=cp, group=group)
+        plan._build_groups()
+        return plan
+
+    # ---- coordinates -------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp
+
+    @property
+    def rank(self) -> int:
+        """This process's rank inside the plan (0 .. world-1)."""
+        return dist.get_rank(self.group)
+
+    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
+        """(pp_idx, dp_idx, cp_idx) of a plan rank."""
+        r = self.rank if rank is None else rank
+        return r // (self.dp * self.cp), (r // self.cp) % self.dp, r % self.cp
+
+    def rank_of(self, pp_idx: int, dp_idx: int, cp_idx: int = 0) -> int:
+        return (pp_idx * self.dp + dp_idx) * self.cp + cp_idx
+
+    def global_rank(self, plan_rank: int) -> int:
+        return plan_rank if self.group is None else dist.get_global_rank(self.group, plan_rank)
+
+    @property
+    def stage(self) -> int:
+        return self.coords()[0]
+
+    # ---- groups -----------------------------------------------------------------
+    def _layouts(self):
+        """Every group of every kind, as lists of plan ranks, in a fixed order."""
+        P, D, C = self.pp, self.dp, self.cp
+        yield "grad", [[self.rank_of(p, d, c) for d in range(D) for c in range(C)] for p in range(P)]
+        yield "dp", [[self.rank_of(p, d, c) for d in range(D)] for p in range(P) for c in range(C)]
+        yield "cp", [[self.rank_of(p, d, c) for c in range(C)] for p in range(P) for d in range(D)]
+        yield "pp", [[self.rank_of(p, d, c) for p in range(P)] for d in range(D) for c in range(C)]
+
+    def _build_groups(self) -> None:
+        for kind, layouts in self._layouts():
+            self._groups[kind] = self._subgroup(layouts)
+
+    def _subgroup(self, layouts: list[list[int]]):
+        """Create one group per layout (all ranks call this); return (ranks, pg) of ours."""
+        mine = None
+        for ranks in layouts:
+            granks = [self.global_rank(r) for r in ranks]
+            pg = dist.new_group(granks, use_local_synchronization=False)
+            if self.rank in ranks:
+                mine = (tuple(ranks), pg)
+        return mine
+
+    def process_group(self, kind: str) -> dist.ProcessGroup:
+        return self._groups[kind][1]
+
+    def group_ranks(self, kind: str) -> tuple[int, ...]:
+        return self._groups[kind][0]
+
+    def tie_group(self, stages: tuple[int, ...]) -> tuple[tuple[int, ...], dist.ProcessGroup]:
+        """The group that sums a tied weight's copies held by `stages`.
+
+        Must be called by every rank for the same `stages`, in the same order:
+        tie discovery is deterministic, so it is.
+        """
+        stages = tuple(sorted(set(stages)))
+        if any(not 0 <= s < self.pp for s in stages):
+            raise PlanError(f"tie across stages {stages}, but the plan has pp={self.pp}.")
+        if stages not in self._tie_groups:
+            layouts = [[self.rank_of(s, d, c) for s in stages] for d in range(self.dp) for c in range(self.cp)]
+            self._tie_groups[stages] = self._subgroup(layouts)
+        return self._tie_groups[stages]
+
+    def describe(self) -> str:
+        p, d, c = self.coords()
+        return f"rank {self.rank}/{self.world} (pp={p}/{self.pp}, dp={d}/{self.dp}, cp={c}/{self.cp})"
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
+    """Start the default process group from torchrun's variables.
+
+    A finite timeout turns a collective that some rank never reaches into an
+    error instead of a silent hang.
+    """
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise PlanError(
+            f"torch.distributed is not initialized and {', '.join(missing)} is not set: "
+            "launch with torchrun, or call torch.distributed.init_process_group first.")
+    if backend is None:
+        import torch
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,0 +1,504 @@
+"""Ring attention: exact attention over a sequence sharded across a context-parallel group.
+
+Each rank of the CP group holds a slice of the sequence (q, k, v: [B, H, L_local, D]).
+The keys and values travel around the group; each rank attends its queries to every
+slice in turn and folds the block results together through their log-sum-exp (LSE),
+which gives attention over the whole sequence. The backward pass runs its own ring:
+K/V travel again (only the local q, k, v, out and LSE are saved, so saved memory does
+not grow with cp), and the K/V gradients travel with them back to their owner.
+
+Layout (gradsched.cp_layout makes it): with causal attention and load_balance=True
+the sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so every
+rank does the same work. At ring step i rank r holds the K/V of rank s = (r - i) mod cp;
+the block it computes follows from the chunk positions (see `ring_block`):
+
+    s == r   the local causal square: is_causal=True with equal q and k lengths
+    s <  r   all local rows x the early K/V chunk of s, fully visible
+    s >  r   the late local rows x all K/V of s, fully visible
+
+Without load balancing (rank r holds chunk r of cp) the steps with s > r compute
+nothing, but their collectives still run: every rank issues the same collectives in
+the same order, whatever it computes.
+
+Numerics (`accumulate`):
+    "fp32"         blocks run in the input dtype; outs merge in fp32, dq/dk/dv sum in
+                   fp32 (dk/dv travel in fp32); one cast to the input dtype at the end.
+    "input"        merge and sum in the input dtype (TransformerEngine's default).
+    "fp32_blocks"  as "fp32", and each block runs with fp32 operands and outputs, so
+                   nothing is rounded before the final cast.
+
+Everything in forward and backward is aten ops and `_c10d_functional` collectives, so
+the ring traces under torch.compile(fullgraph=True) and under AOTAutograd.
+
+`simulate_ring` runs the same blocks, merges and sums in the same order for all cp
+ranks inside one process (no process group): for numerics and kernel timing. Its
+results equal the real ring's bit for bit with comm="ring".
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ACCUMULATE_MODES = ("fp32", "input", "fp32_blocks")
+COMM_MODES = ("ring", "allgather")
+_c10d = torch.ops._c10d_functional
+
+
+class RingAttentionError(ValueError):
+    """An attention call that the context-parallel ring cannot run as asked."""
+
+
+def _unsupported(call: str, reason: str, fix: str) -> RingAttentionError:
+    return RingAttentionError(f"{call}: {reason}. {fix}")
+
+
+def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: int, cp: int,
+                         causal: bool, load_balance: bool = True, dropout_p: float = 0.0,
+                         has_attn_mask: bool = False, accumulate: str = "fp32",
+                         comm: str = "ring") -> None:
+    """Raise RingAttentionError if the ring cannot run this attention call.
+
+    `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
+    at model.py:41"). Shared by the runtime op and the lowering pass, which calls it
+    at compile time.
+    """
+    if has_attn_mask:
+        raise _unsupported(call, "it passes an attn_mask tensor, and the ring computes only causal "
+                           "or full attention", "Use is_causal=True instead of a causal mask "
+                           "tensor, or keep this attention call out of context parallelism.")
+    if dropout_p:
+        raise _unsupported(call, f"dropout_p={dropout_p}: attention dropout is not supported by "
+                           "the ring", "Set the model's attention dropout to 0.0 for "
+                           "context-parallel training.")
+    if kv_heads < 1 or q_heads % kv_heads:
+        raise _unsupported(call, f"{q_heads} query heads are not a multiple of {kv_heads} key/value "
+                           "heads", "Use a head count that GQA allows (query heads = groups x "
+                           "key/value heads).")
+    if causal and load_balance and local_len % 2:
+        raise _unsupported(call, f"the sequence length {local_len * cp} is not divisible by "
+                           f"2*cp={2 * cp} (load-balanced causal layout)", "Pad the sequence to a "
+                           f"multiple of {2 * cp} (gradsched.cp_layout.pad_to_multiple), or "
+                           "use load_balance=False.")
+    if accumulate not in ACCUMULATE_MODES:
+        raise _unsupported(call, f"accumulate={accumulate!r} is unknown",
+                           f"Choose one of {ACCUMULATE_MODES}.")
+    if comm not in COMM_MODES:
+        raise _unsupported(call, f"comm={comm!r} is unknown", f"Choose one of {COMM_MODES}.")
+
+
+# ---- the schedule: which block a rank computes at each ring step ----------------------
+
+@dataclass(frozen=True)
+class Block:
+    """What one rank computes at one ring step.
+
+    rows: None for all local rows, 1 for the late local chunk only.
+    keys: None for all of the visiting K/V, 0 for its early chunk only.
+    causal: a square diagonal block (is_causal=True inside it).
+    """
+    rows: int | None
+    keys: int | None
+    causal: bool
+
+
+def ring_block(rank: int, cp: int, step: int, causal: bool, load_balance: bool) -> Block | None:
+    """The block rank computes at `step` (K/V from rank (rank - step) mod cp); None: nothing."""
+    src = (rank - step) % cp
+    if not causal:
+        return Block(None, None, False)
+    if src == rank:
+        return Block(None, None, True)
+    if not load_balance:
+        return Block(None, None, False) if src < rank else None
+    return Block(None, 0, False) if src < rank else Block(1, None, False)
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """One ring's settings, as the per-step helpers need them."""
+    rank: int
+    cp: int
+    causal: bool
+    load_balance: bool
+    scale: float
+    accumulate: str
+    group_name: str = ""
+    comm: str = "ring"
+
+    @property
+    def parts(self) -> int:  # local rows are kept as this many chunks
+        return 2 if self.causal and self.load_balance and self.cp > 1 else 1
+
+    def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.accumulate == "input" else torch.float32
+
+    def block(self, step: int) -> Block | None:
+        if self.cp == 1:
+            return Block(None, None, self.causal)
+        return ring_block(self.rank, self.cp, step, self.causal, self.load_balance)
+
+
+# ---- block kernels ----------------------------------------------------------------------
+
+def _attend(q, k, v, causal: bool, scale: float):
+    """One block: (out in q's dtype, LSE float32 [B, H, Lq]). Causal only for square blocks."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, scale=scale)
+    # NOTE: the CUDA path (memory-efficient kernel: every dtype, returns LSE) has not been
+    # run on a GPU yet; its LSE comes padded to a multiple of 32 rows.
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+    return out, lse[..., : q.shape[2]].contiguous()
+
+
+def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+    """Gradients (dq, dk, dv) of one block, given the merged out and LSE of its rows."""
+    if q.device.type == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+    rows = q.shape[2]
+    lse = torch.nn.functional.pad(lse, (0, -rows % 32))
+    seed = torch.zeros((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    return dq, dk, dv
+
+
+def _expand_heads(x, q_heads: int):
+    """K/V with kv heads -> q heads (head j of q reads kv head j // groups), for the kernel."""
+    b, h, n, d = x.shape
+    if h == q_heads:
+        return x
+    return x[:, :, None].expand(b, h, q_heads // h, n, d).reshape(b, q_heads, n, d)
+
+
+def _reduce_heads(g, kv_heads: int, dtype: torch.dtype):
+    """Gradient over q heads -> over kv heads, summed in `dtype`."""
+    b, h, n, d = g.shape
+    g = g.to(dtype)
+    if h == kv_heads:
+        return g
+    return g.view(b, kv_heads, h // kv_heads, n, d).sum(2)
+
+
+def merge_block(out, lse, block_out, block_lse, dtype: torch.dtype):
+    """Fold one block's normalised attention into a running result (None: the first block).
+
+    Both are softmax-normalised over their own keys; weighting each by exp(its LSE -
+    the joint LSE) gives attention over the union of keys. `out` is kept in `dtype`,
+    LSE in float32. The same function serves the ring and the simulation.
+    """
+    block_out = block_out.to(dtype)
+    if out is None:
+        return block_out, block_lse
+    joint = torch.logaddexp(lse, block_lse)
+    w_run = torch.exp(lse - joint).unsqueeze(-1).to(dtype)
+    w_blk = torch.exp(block_lse - joint).unsqueeze(-1).to(dtype)
+    return out * w_run + block_out * w_blk, joint
+
+
+def _late(x, parts: int):
+    return x.chunk(parts, dim=2)[-1].contiguous()
+
+
+def _operands(ring: _Ring, *xs):
+    if ring.accumulate == "fp32_blocks":
+        return tuple(x.float() for x in xs)
+    return xs
+
+
+def _forward_step(state: list, q, q_late, k, v, block: Block, ring: _Ring) -> None:
+    """Attend the rows `block` names to one visiting K/V slice; merge into `state` in place.
+
+    state: per local row chunk, [out, lse] (None before the first block).
+    """
+    if block.keys is not None:
+        k, v = k.chunk(2, dim=2)[block.keys], v.chunk(2, dim=2)[block.keys]
+    rows = q if block.rows is None else q_late
+    rows, k, v = _operands(ring, rows, k, v)
+    heads = q.shape[1]
+    out, lse = _attend(rows, _expand_heads(k, heads), _expand_heads(v, heads), block.causal,
+                       ring.scale)
+    dtype = ring.acc_dtype(q.dtype)
+    if block.rows is None:
+        pieces = zip(out.chunk(ring.parts, dim=2), lse.chunk(ring.parts, dim=2), state)
+    else:
+        pieces = [(out, lse, state[block.rows])]
+    for o, l, s in pieces:
+        s[0], s[1] = merge_block(s[0], s[1], o, l, dtype)
+
+
+def _finish_forward(state: list, dtype: torch.dtype, ring: _Ring):
+    """(out in the input dtype, LSE fp32, the out to save for backward)."""
+    out = torch.cat([s[0] for s in state], dim=2) if len(state) > 1 else state[0][0]
+    lse = torch.cat([s[1] for s in state], dim=2) if len(state) > 1 else state[0][1]
+    final = out.to(dtype)
+    return final, lse, (out if ring.accumulate == "fp32_blocks" else final)
+
+
+@dataclass
+class _Rows:
+    """A rank's saved rows for backward: all of them, and the late chunk alone."""
+    q: torch.Tensor
+    out: torch.Tensor
+    dout: torch.Tensor
+    lse: torch.Tensor
+    late: tuple | None
+
+    @classmethod
+    def of(cls, ring: _Ring, q, out, dout, lse) -> "_Rows":
+        q, out, dout = _operands(ring, q, out, dout)
+        dout = dout.contiguous()
+        late = None
+        if ring.parts > 1:
+            late = tuple(_late(x, ring.parts) for x in (q, out, dout, lse))
+        return cls(q, out, dout, lse, late)
+
+
+def _backward_step(dq, rows: _Rows, k, v, block: Block, ring: _Ring):
+    """One block's gradients: dq added into `dq` in place; returns (dk, dv) over kv heads."""
+    kb, vb = k, v
+    if block.keys is not None:
+        kb, vb = k.chunk(2, dim=2)[block.keys], v.chunk(2, dim=2)[block.keys]
+    q, out, dout, lse = (rows.q, rows.out, rows.dout, rows.lse) if block.rows is None else rows.late
+    kb, vb = _operands(ring, kb, vb)
+    heads = q.shape[1]
+    gq, gk, gv = _attend_backward(dout, q, _expand_heads(kb, heads), _expand_heads(vb, heads),
+                                  out, lse, block.causal, ring.scale)
+    if block.rows is None:
+        dq += gq
+    else:
+        dq.chunk(ring.parts, dim=2)[block.rows].add_(gq)
+    dtype = dq.dtype
+    return _reduce_heads(gk, k.shape[1], dtype), _reduce_heads(gv, v.shape[1], dtype)
+
+
+def _add_kv_grad(dkv, dk, dv, block: Block, kshape, vshape) -> None:
+    """Add one block's (dk, dv) into a flat [dk | dv] accumulator, in place."""
+    gk, gv = _unflat(dkv, kshape, vshape)
+    if block.keys is not None:
+        gk, gv = gk.chunk(2, dim=2)[block.keys], gv.chunk(2, dim=2)[block.keys]
+    gk.add_(dk)
+    gv.add_(dv)
+
+
+def _flat(k, v):
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _unflat(kv, kshape, vshape):
+    nk = math.prod(kshape)
+    return kv[:nk].view(kshape), kv[nk:].view(vshape)
+
+
+# ---- collectives ----------------------------------------------------------------------
+
+def _send_to_next(flat, ring: _Ring):
+    """Every rank sends `flat` to rank+1 and receives rank-1's (one all_to_all_single)."""
+    n = flat.numel()
+    recv = [0] * ring.cp
+    send = [0] * ring.cp
+    recv[(ring.rank - 1) % ring.cp] = n
+    send[(ring.rank + 1) % ring.cp] = n
+    return _c10d.all_to_all_single(flat, recv, send, ring.group_name)
+
+
+def _wait(t):
+    return _c10d.wait_tensor(t)
+
+
+def _all_gather(flat, ring: _Ring):
+    out = _wait(_c10d.all_gather_into_tensor(flat, ring.cp, ring.group_name))
+    return out.view(ring.cp, -1)
+
+
+# ---- the ring on one rank -------------------------------------------------------------
+
+def _ring_forward(q, k, v, ring: _Ring):
+    q_late = _late(q, ring.parts) if ring.parts > 1 else None
+    state = [[None, None] for _ in range(ring.parts)]
+    kv = _flat(k, v)
+    gathered = _all_gather(kv, ring) if ring.comm == "allgather" and ring.cp > 1 else None
+    pending = None
+    for step in range(ring.cp):
+        if gathered is not None:
+            kv = gathered[(ring.rank - step) % ring.cp]
+        else:
+            if step > 0:
+                kv = _wait(pending)
+            if step < ring.cp - 1:
+                pending = _send_to_next(kv, ring)  # in flight while this step computes
+        block = ring.block(step)
+        if block is not None:
+            ks, vs = _unflat(kv, k.shape, v.shape)
+            _forward_step(state, q, q_late, ks, vs, block, ring)
+    return _finish_forward(state, q.dtype, ring)
+
+
+def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
+    rows = _Rows.of(ring, q, out, dout, lse)
+    dtype = ring.acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    kv = _flat(k, v)
+    allgather = ring.comm == "allgather" and ring.cp > 1
+    if allgather:
+        gathered = _all_gather(kv, ring)
+        dkv_all = torch.zeros((ring.cp, kv.numel()), dtype=dtype, device=q.device)
+    pending_kv = pending_dkv = None
+    for step in range(ring.cp):
+        src = (ring.rank - step) % ring.cp
+        if allgather:
+            kv = gathered[src]
+        else:
+            if step > 0:
+                kv = _wait(pending_kv)
+            if step < ring.cp - 1:
+                pending_kv = _send_to_next(kv, ring)
+        block = ring.block(step)
+        grads = None
+        if block is not None:
+            ks, vs = _unflat(kv, k.shape, v.shape)
+            grads = _backward_step(dq, rows, ks, vs, block, ring)
+        if allgather:
+            dkv = dkv_all[src]
+        elif step == 0:
+            dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
+        else:  # src's dK/dV as summed by the ranks before this one
+            dkv = _wait(pending_dkv)
+        if grads is not None:
+            _add_kv_grad(dkv, *grads, block, k.shape, v.shape)
+        if not allgather and ring.cp > 1:
+            pending_dkv = _send_to_next(dkv, ring)
+    if allgather:
+        dkv = _wait(_c10d.reduce_scatter_tensor(dkv_all.view(-1), "sum", ring.cp, ring.group_name))
+    elif ring.cp > 1:
+        dkv = _wait(pending_dkv)  # our own K/V's gradient, back from the last rank
+    dk, dv = _unflat(dkv, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group_name, rank, cp, causal, scale, accumulate, comm, load_balance):
+        ring = _Ring(rank, cp, causal, load_balance, scale, accumulate, group_name, comm)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse, saved_out = _ring_forward(q, k, v, ring)
+        ctx.save_for_backward(q, k, v, saved_out, lse)
+        ctx.ring = ring
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring)
+        return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+@torch.compiler.assume_constant_result
+def group_rank_and_size(group) -> tuple[int, int]:
+    """(rank, size) of this process in a group given by name or ProcessGroup.
+
+    Constant for a process, so torch.compile runs it once while tracing.
+    """
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: float | None = None,
+                   accumulate: str = "fp32", comm: str = "ring", load_balance: bool = True,
+                   return_lse: bool = False, call: str = "ring_attention"):
+    """Attention of local q over the K/V of every rank of the CP group `group_name`.
+
+    q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
+    slice of the sequence in the layout of gradsched.cp_layout (same `load_balance`).
+    Returns out [B, Hq, L, Dv] (and the LSE, float32 [B, Hq, L], if return_lse). `call`
+    names the caller's attention call in errors.
+    """
+    rank, cp = group_rank_and_size(group_name)
+    check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
+                         cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
+                         comm=comm)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _RingAttention.apply(q, k, v, group_name, rank, cp, causal, float(scale),
+                                    accumulate, comm, load_balance)
+    return (out, lse) if return_lse else out
+
+
+# ---- the same ring, every rank in turn, in one process ----------------------------------
+
+@dataclass
+class SimResult:
+    """Full-sequence results in natural token order (grads None without grad_out)."""
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+
+def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp32", *,
+                  scale: float | None = None, load_balance: bool = True,
+                  grad_out: torch.Tensor | None = None) -> SimResult:
+    """Run the cp-rank ring on one device: same blocks, merges and sums, in the same order.
+
+    q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
+    are cut into the cp_layout shards, every rank's steps run in turn, and the results
+    are put back in natural order.
+    """
+    from gradsched.cp_layout import shard, unshard
+
+    check_attention_call("simulate_ring", q_heads=q.shape[1], kv_heads=k.shape[1],
+                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
+                         load_balance=load_balance, accumulate=accumulate)
+    if q.shape[2] % cp:
+        raise _unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
+                           f"by cp={cp}", "Pad the sequence.")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    rings = [_Ring(r, cp, causal, load_balance, float(scale), accumulate) for r in range(cp)]
+
+    def cut(x):
+        return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+
+    qs, ks, vs = cut(q), cut(k), cut(v)
+    lates = [_late(x, rings[0].parts) if rings[0].parts > 1 else None for x in qs]
+    states = [[[None, None] for _ in range(rings[0].parts)] for _ in range(cp)]
+    for step in range(cp):
+        for r, ring in enumerate(rings):
+            block = ring.block(step)
+            if block is not None:
+                src = (r - step) % cp
+                _forward_step(states[r], qs[r], lates[r], ks[src], vs[src], block, ring)
+    finished = [_finish_forward(states[r], q.dtype, rings[r]) for r in range(cp)]
+    result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
+                       unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
+    if grad_out is None:
+        return result
+
+    douts = cut(grad_out)
+    dtype = rings[0].acc_dtype(q.dtype)
+    rows = [_Rows.of(rings[r], qs[r], finished[r][2], douts[r], finished[r][1]) for r in range(cp)]
+    dqs = [torch.zeros(x.shape, dtype=dtype, device=x.device) for x in qs]
+    dkvs = [torch.zeros(ks[r].numel() + vs[r].numel(), dtype=dtype, device=q.device)
+            for r in range(cp)]
+    kshape, vshape = ks[0].shape, vs[0].shape
+    for step in range(cp):
+        for r, ring in enumerate(rings):
+            block = ring.block(step)
+            if block is not None:
+                src = (r - step) % cp
+                grads = _backward_step(dqs[r], rows[r], ks[src], vs[src], block, ring)
+                _add_kv_grad(dkvs[src], *grads, block, kshape, vshape)
+    dks, dvs = zip(*(_unflat(d, kshape, vshape) for d in dkvs))
+    result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
+    result.dk = unshard([d.to(k.dtype) for d in dks], cp, dim=2, load_balance=load_balance)
+    result.dv = unshard([d.to(v.dtype) for d in dvs], cp, dim=2, load_balance=load_balance)
+    return result

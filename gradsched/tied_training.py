@@ -1,0 +1,118 @@
+"""Train the tiny tied GPT under a plan and against its single-process reference.
+
+Shared by the demo, the tests and the tied_grad_sync benchmark, so the three
+measure the same thing. The reference is the same model, unsplit, in one
+process, on the whole global batch, with the same optimizer.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+
+
+@dataclass
+class Job:
+    pp: int = 2
+    dp: int = 2
+    steps: int = 3
+    global_batch: int = 8
+    lr: float = 1e-2
+    seed: int = 0
+    config: GPTConfig = field(default_factory=GPTConfig)
+    split_points: tuple = ("blocks.1",)
+    schedule: str = "auto"
+    options: dict = field(default_factory=lambda: {"compiler": "eager"})
+
+
+def optimizer_kwargs(job: Job) -> dict:
+    return {"lr": job.lr, "weight_decay": 0.1}
+
+
+def reference(job: Job) -> dict:
+    """Unsplit model, one process: losses per step and every parameter by every name it has."""
+    torch.manual_seed(job.seed)
+    model = TinyGPT(job.config)
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
+    losses = []
+    for step in range(job.steps):
+        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+    from .ties import shared_parameters
+    return {"losses": losses, "params": params, "aliases": shared_parameters(model)}
+
+
+def rank_main(rank: int, world: int, job: Job) -> dict:
+    """One rank of the parallel run; returns what it ends with (see keys)."""
+    import gradsched
+
+    plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
+    torch.manual_seed(job.seed)
+    opts = dict(job.options)
+    model = gradsched.parallelize(TinyGPT(job.config), plan=plan, loss_fn=lm_loss,
+                                  split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule,
+                                  **opts)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
+    _, dp_idx, _ = plan.coords()
+    per_rank = job.global_batch // job.dp
+    losses, times = [], []
+    for step in range(job.steps):
+        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+        t0 = time.perf_counter()
+        loss = model.train_step(x[sl], y[sl])
+        opt.step()
+        opt.zero_grad()
+        times.append(time.perf_counter() - t0)
+        losses.append(None if loss is None else float(loss))
+    sync = model.grad_sync
+    return {
+        "rank": rank, "stage": plan.stage, "dp_idx": dp_idx,
+        "losses": losses, "step_times": times,
+        "params": {n: p.detach().clone() for n, p in sync.state.params.items()},
+        "ties": [t.members for t in sync.ties.values()],
+        "report": sync.schedule_report(),
+        "verifier": "ok" if sync.state.verdict is None or sync.state.verdict.ok else "hazard",
+        "verdict": str(sync.state.verdict),
+        "tied_bytes_per_step": sync.tied_bytes_per_step(),
+        "within_module_ties": model.within_module_ties,
+    }
+
+
+def compare(ref: dict, ranks: list[dict]) -> dict:
+    """Max |parallel - reference| over every parameter of every rank, and tied-copy equality."""
+    worst, missing = 0.0, []
+    for r in ranks:
+        for name, p in r["params"].items():
+            if name not in ref["params"]:
+                missing.append(name)
+                continue
+            worst = max(worst, (p - ref["params"][name]).abs().max().item())
+    # tied copies: every stage's copy of one weight, on the same dp index, bitwise equal
+    tied_equal = True
+    for r in ranks:
+        for members in r["ties"]:
+            for other in ranks:
+                if other["dp_idx"] == r["dp_idx"] and other["stage"] != r["stage"]:
+                    mine = dict(members).get(r["stage"])
+                    theirs = dict(members).get(other["stage"])
+                    if mine and theirs:
+                        tied_equal &= torch.equal(r["params"][mine], other["params"][theirs])
+    covered = {n for r in ranks for n in r["params"]}
+    aliased = {n for group in ref["aliases"] if covered & set(group) for n in group}
+    return {"max_abs_diff": worst, "tied_bitwise_equal": tied_equal, "missing": missing,
+            "uncovered": sorted(set(ref["params"]) - covered - aliased)}
+
+
+def job_dict(job: Job) -> dict:
+    d = asdict(job)
+    d["config"] = asdict(job.config)
+    return d

@@ -1,0 +1,76 @@
+"""Tie discovery: which parameters are one weight, within a module and across stages.
+
+Within a module a tie is shared identity: `named_parameters(remove_duplicate=False)`
+lists one Parameter under several names. Dynamo lifts it as ONE graph input and
+the backward graph already sums both uses, so nothing needs scheduling.
+
+Across pipeline stages the copies are separate tensors (separate processes):
+their gradients must be summed over the tie group. We find them from the
+original model's identities, mapped to the stages that use each name, or from
+`torch.distributed.pipelining`'s `pipe.replicated_params`. A hand-written list
+is accepted only as an override.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+
+@dataclass(frozen=True)
+class Tie:
+    """One weight held by several stages: stage -> that stage's local parameter name."""
+    members: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        return tuple(s for s, _ in self.members)
+
+    @property
+    def key(self) -> str:
+        return "~".join(f"{s}:{n}" for s, n in self.members)
+
+    def name_on(self, stage: int) -> str | None:
+        return dict(self.members).get(stage)
+
+
+def shared_parameters(module: nn.Module) -> list[list[str]]:
+    """Groups of names under which one Parameter object appears (len >= 2 each)."""
+    by_id: dict[int, list[str]] = defaultdict(list)
+    for name, p in module.named_parameters(remove_duplicate=False):
+        by_id[id(p)].append(name)
+    return [names for names in by_id.values() if len(names) > 1]
+
+
+def ties_from_stage_names(module: nn.Module, stage_param_names: dict[int, set[str]]) -> list[Tie]:
+    """Cross-stage ties of `module` split into stages that each use a set of its names.
+
+    stage_param_names: stage -> the original parameter names that stage's code reads.
+    A group of shared names read by two or more stages becomes one Tie.
+    """
+    ties = []
+    for names in shared_parameters(module):
+        members = []
+        for stage in sorted(stage_param_names):
+            used = [n for n in names if n in stage_param_names[stage]]
+            if used:
+                members.append((stage, used[0]))
+        if len(members) > 1:
+            ties.append(Tie(tuple(members)))
+    return sorted(ties, key=lambda t: t.key)
+
+
+def ties_from_pipe(pipe) -> list[Tie]:
+    """Cross-stage ties recorded by torch.distributed.pipelining's pipeline()."""
+    ties = []
+    for entry in getattr(pipe, "replicated_params", []) or []:
+        members = tuple(sorted((int(sub.rsplit("_", 1)[1]), name) for sub, name in entry.items()))
+        if len(members) > 1:
+            ties.append(Tie(members))
+    return sorted(ties, key=lambda t: t.key)
+
+
+def ties_from_override(spec: list[dict[int, str]]) -> list[Tie]:
+    """An explicit declaration: [{stage: local_name, ...}, ...]."""
+    return sorted((Tie(tuple(sorted(d.items()))) for d in spec if len(d) > 1), key=lambda t: t.key)

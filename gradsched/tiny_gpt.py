@@ -1,0 +1,68 @@
+"""A tiny GPT with its LM head tied to the word embedding (as nanoGPT and GPT-2 tie them).
+
+Used by the demo, the tests and the benchmarks: small enough for CPU processes,
+with everything that matters here (a tied weight used at both ends, SDPA).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab: int = 64
+    seq: int = 16
+    dim: int = 32
+    heads: int = 4
+    layers: int = 2
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig):
+        super().__init__()
+        self.heads = c.heads
+        self.ln1, self.ln2 = nn.LayerNorm(c.dim), nn.LayerNorm(c.dim)
+        # no qkv bias: the key bias has an exactly-zero gradient (softmax ignores a per-query
+        # constant), and Adam would turn its rounding noise into lr-sized steps, so no two
+        # correct implementations could agree on it
+        self.qkv, self.proj = nn.Linear(c.dim, 3 * c.dim, bias=False), nn.Linear(c.dim, c.dim)
+        self.fc, self.out = nn.Linear(c.dim, 4 * c.dim), nn.Linear(4 * c.dim, c.dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, c: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.config = c
+        self.wte, self.wpe = nn.Embedding(c.vocab, c.dim), nn.Embedding(c.seq, c.dim)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.ln_f = nn.LayerNorm(c.dim)
+        self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight  # tied: one Parameter, two uses
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+
+def lm_loss(logits, targets):
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def make_batch(n: int, c: GPTConfig, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, c.vocab, (n, c.seq + 1), generator=g)
+    return tokens[:, :-1], tokens[:, 1:]

@@ -1,0 +1,26 @@
+"""gradsched's FX passes: pure graph-to-graph functions, composed in one visible pipeline.
+
+The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph:
+
+  1. grad_ready_order   (grad_ready_order.py)  read the order gradients become ready
+  2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized;
+                                               ties aligned in shard_aligned mode
+  3. insert_grad_sync   (grad_sync.py)         tie all-reduce -> bucket reduce-scatter
+                                               (a data dependence), per mode
+  4. verify_graph       (verify.py)            prove the order or the alignment, per tie
+
+Context parallelism (context_parallel.py) lowers attention into ring steps on the
+forward graph, before AOTAutograd.
+
+Each pass's module docstring states the invariant it establishes and what it assumes.
+`GRADSCHED_PRINT_GRAPHS=1` prints every graph before and after the pipeline.
+"""
+from .bucketing import BucketLayout, plan_buckets
+from .grad_ready_order import GradSpec, grad_ready_order
+from .grad_sync import SyncSpec, insert_grad_sync
+from .verify import TieCheck, TieLayout, TiedGradientHazard, Verdict, check, verify_graph
+
+GRAD_SYNC_PIPELINE = ("grad_ready_order", "plan_buckets", "insert_grad_sync", "verify_graph")
+
+__all__ = ["BucketLayout", "GradSpec", "SyncSpec", "TieCheck", "TieLayout", "TiedGradientHazard", "Verdict",
+           "check", "grad_ready_order", "insert_grad_sync", "plan_buckets", "verify_graph", "GRAD_SYNC_PIPELINE"]

@@ -1,0 +1,100 @@
+"""Group gradients into flat buckets, in ready order, sized for a reduce-scatter.
+
+Invariant: each bucket's numel is a multiple of `shards` (the data-parallel
+group size), so a reduce-scatter splits it into equal shards, and a parameter
+occupies one contiguous range [offset, offset + numel) of one bucket.
+
+With `align_ties`, a tied gradient starts a new bucket at offset 0, and that
+bucket is padded to a size that depends only on (bucket capacity, the tied
+numel, shards): every stage holding a copy then shards it identically, which
+is what shard-aligned mode needs (the verifier still checks it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .grad_ready_order import GradSpec
+
+
+@dataclass(frozen=True)
+class Slot:
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    tie: str | None = None  # the tie key when this gradient is a tied copy
+
+
+@dataclass(frozen=True)
+class Bucket:
+    index: int
+    slots: tuple[Slot, ...]
+    numel: int  # padded
+    dtype: torch.dtype  # dtype the bucket is reduced in
+
+    def shard_numel(self, shards: int) -> int:
+        return self.numel // shards
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    buckets: tuple[Bucket, ...]
+    shards: int
+
+    def locate(self, name: str) -> tuple[Bucket, Slot]:
+        for b in self.buckets:
+            for s in b.slots:
+                if s.name == name:
+                    return b, s
+        raise KeyError(name)
+
+    def describe(self) -> list[dict]:
+        return [{"bucket": b.index, "numel": b.numel, "dtype": str(b.dtype),
+                 "slots": [(s.name, s.offset, s.numel) for s in b.slots]} for b in self.buckets]
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def owned_range(bucket_numel: int, offset: int, numel: int, shards: int, shard: int) -> tuple[int, int]:
+    """Elements [lo, hi) of a parameter at `offset` that shard `shard` owns (lo == hi: none)."""
+    size = bucket_numel // shards
+    lo = max(offset, shard * size)
+    hi = min(offset + numel, (shard + 1) * size)
+    return (lo - offset, hi - offset) if lo < hi else (0, 0)
+
+
+def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
+                 reduce_dtype: torch.dtype | None = None, ties: dict[str, str] | None = None,
+                 align_ties: bool = False) -> BucketLayout:
+    """ready: gradients in ready order; ties: parameter name -> tie key."""
+    ties = ties or {}
+    buckets: list[Bucket] = []
+    cur: list[Slot] = []
+    cur_dtype, fixed = None, None  # fixed: the padded size of a tie-aligned bucket
+
+    def close():
+        nonlocal cur, cur_dtype, fixed
+        if cur:
+            used = cur[-1].offset + cur[-1].numel
+            buckets.append(Bucket(len(buckets), tuple(cur), fixed or round_up(used, shards), cur_dtype))
+        cur, cur_dtype, fixed = [], None, None
+
+    for spec in ready:
+        dtype = reduce_dtype or spec.dtype
+        cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+        tie = ties.get(spec.name)
+        used = cur[-1].offset + cur[-1].numel if cur else 0
+        if cur and (dtype != cur_dtype or used + spec.numel > (fixed or cap) or (tie and align_ties)):
+            close()
+            used = 0
+        if tie and align_ties:
+            fixed = round_up(max(cap, spec.numel), shards)
+        cur_dtype = dtype
+        cur.append(Slot(spec.name, used, spec.numel, spec.shape, spec.dtype, tie))
+    close()
+    return BucketLayout(tuple(buckets), shards)

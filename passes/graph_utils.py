@@ -1,0 +1,93 @@
+"""Small predicates and builders shared by the passes.
+
+Every node a pass inserts goes through `GraphBuilder.call`, which computes its
+`meta["val"]` by running the op on the fake values of its arguments, so
+`meta["val"]` stays correct after every rewrite (Inductor lowers from it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+c10d = torch.ops._c10d_functional
+
+COLLECTIVES = {
+    c10d.all_reduce.default: "all_reduce",
+    c10d.reduce_scatter_tensor.default: "reduce_scatter",
+    c10d.all_gather_into_tensor.default: "all_gather",
+    c10d.all_to_all_single.default: "all_to_all",
+}
+META_KEY = "gradsched"  # node.meta[META_KEY]: a dict tag left by the grad-sync pass
+
+
+def is_collective(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target in COLLECTIVES
+
+
+def is_wait_tensor(n: fx.Node) -> bool:
+    return n.op == "call_function" and n.target == c10d.wait_tensor.default
+
+
+def collective_kind(n: fx.Node) -> str:
+    return COLLECTIVES[n.target]
+
+
+def collective_group(n: fx.Node) -> str:
+    """Group name argument of a functional collective (its last positional arg)."""
+    return n.args[-1]
+
+
+def fake_mode_of(gm: fx.GraphModule) -> FakeTensorMode:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and getattr(v, "fake_mode", None) is not None:
+            return v.fake_mode
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def _val(a):
+    return a.meta["val"] if isinstance(a, fx.Node) else a
+
+
+class GraphBuilder:
+    """Insert nodes before `anchor` (or at the graph's end) with correct meta["val"]."""
+
+    def __init__(self, gm: fx.GraphModule, fake_mode: FakeTensorMode | None = None):
+        self.gm, self.graph = gm, gm.graph
+        self.fake_mode = fake_mode or fake_mode_of(gm)
+
+    def call(self, target, *args, tag: dict | None = None, **kwargs) -> fx.Node:
+        node = self.graph.call_function(target, args, kwargs)
+        fargs = torch.utils._pytree.tree_map(_val, (args, kwargs))
+        with self.fake_mode:
+            node.meta["val"] = target(*fargs[0], **fargs[1])
+        if tag is not None:
+            node.meta[META_KEY] = tag
+        return node
+
+    def placeholder(self, name: str, example: torch.Tensor) -> fx.Node:
+        """A new input, placed after the existing ones (callers append the argument)."""
+        last = [n for n in self.graph.nodes if n.op == "placeholder"]
+        with self.graph.inserting_before(last[-1].next if last else None):
+            node = self.graph.placeholder(name)
+        node.meta["val"] = self.fake_mode.from_tensor(example, static_shapes=True) \
+            if not isinstance(example, torch._subclasses.FakeTensor) else example
+        return node
+
+    # ---- ops used by the grad-sync pass ---------------------------------------------
+    def flat(self, x: fx.Node, dtype: torch.dtype) -> fx.Node:
+        x = self.call(torch.ops.aten.reshape.default, x, [-1])
+        if x.meta["val"].dtype != dtype:
+            x = self.call(torch.ops.prims.convert_element_type.default, x, dtype)
+        return x
+
+    def collective(self, kind: str, x: fx.Node, group: str, group_size: int, tag: dict) -> fx.Node:
+        """Issue a functional collective and wait for it; both nodes carry `tag`."""
+        if kind == "all_reduce":
+            c = self.call(c10d.all_reduce.default, x, "sum", group, tag=tag)
+        elif kind == "reduce_scatter":
+            c = self.call(c10d.reduce_scatter_tensor.default, x, "sum", group_size, group, tag=tag)
+        else:
+            raise ValueError(kind)
+        return self.call(c10d.wait_tensor.default, c, tag={**tag, "wait": True})
