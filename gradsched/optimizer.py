@@ -36,6 +36,11 @@ def _refuse_full_parameter_step(optimizer, args, kwargs):
 register_optimizer_step_pre_hook(_refuse_full_parameter_step)
 
 
+def _all_gather(out, x, group):
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
 class DistributedOptimizer:
     def __init__(self, model, optimizer_class, **optimizer_kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -94,7 +99,7 @@ class DistributedOptimizer:
         pg, ranks, _ = self.sync._grad_group()
         for b, shard in zip(st.layout.buckets, self.shards):
             full = torch.empty(b.numel, dtype=torch.float32)
-            dist.all_gather_into_tensor(full, shard.detach(), group=pg)
+            _all_gather(full, shard.detach(), pg)
             for s in b.slots:
                 p = st.params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))

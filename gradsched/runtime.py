@@ -72,6 +72,7 @@ class GradSync:
                 "placement='flush' (the default for pp > 1).")
         self.state: StageSync | None = None
         self.backward_calls = 0
+        self.sync_runs = 0  # executions of the sync graph: once per optimizer step
 
     # ---- groups and specs ---------------------------------------------------------------
     def _grad_group(self):
@@ -110,7 +111,12 @@ class GradSync:
         self.state = StageSync(ready, layout, params)
         if self.options.shard:
             mark_sharded(params.values())
-        plain = compile_graph(bw_gm, example_inputs, self.options.compiler)
+        compiled = compile_graph(bw_gm, example_inputs, self.options.compiler)
+
+        def plain(args):  # earlier micro-batches (or every one, under flush): autograd accumulates
+            self.backward_calls += 1
+            return compiled(args)
+        plain._boxed_call = True
         if self.placement == "flush":
             return plain
 
@@ -125,12 +131,13 @@ class GradSync:
         self.state.sync_fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler)
 
         def backward(args):
-            self.backward_calls += 1
-            if self.backward_calls % self.options.microbatches:
+            if (self.backward_calls + 1) % self.options.microbatches:
                 return plain(args)
+            self.backward_calls += 1
             acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
             self._check_once()
             outs = list(self.state.sync_fn(list(args) + acc))
+            self.sync_runs += 1
             for n in record.acc_inputs:
                 params[n].grad = None  # consumed: the reduced gradient replaces it
             self.state.results = outs[record.n_outputs:]
@@ -141,9 +148,9 @@ class GradSync:
     # ---- flush placement ------------------------------------------------------------------
     def flush(self) -> None:
         """Reduce this step's accumulated gradients (placement='flush'); call once per step."""
-        st = self._require_state()
         if self.placement != "flush":
             return
+        st = self._require_state()
         if st.sync_fn is None:
             st.sync_gm = self._build_flush_graph(st)
             examples = [torch.zeros(r.shape, dtype=r.dtype) for r in st.ready]
@@ -151,6 +158,7 @@ class GradSync:
         self._check_once()
         grads = [_grad_or_zeros(st.params[r.name]) for r in st.ready]
         st.results = list(st.sync_fn(grads))
+        self.sync_runs += 1
         for r in st.ready:
             st.params[r.name].grad = None
 

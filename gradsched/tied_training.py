@@ -26,6 +26,8 @@ class Job:
     split_points: tuple = ("blocks.1",)
     schedule: str = "auto"
     options: dict = field(default_factory=lambda: {"compiler": "eager"})
+    rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
+    capture_code: bool = False  # return the code Inductor generates during the first step
 
 
 def optimizer_kwargs(job: Job) -> dict:
@@ -56,19 +58,23 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
 
     plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
     torch.manual_seed(job.seed)
-    opts = dict(job.options)
+    opts = {**job.options, **job.rank_options.get(rank, {})}
     model = gradsched.parallelize(TinyGPT(job.config), plan=plan, loss_fn=lm_loss,
                                   split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule,
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
     _, dp_idx, _ = plan.coords()
     per_rank = job.global_batch // job.dp
-    losses, times = [], []
+    losses, times, code = [], [], []
     for step in range(job.steps):
         x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
         t0 = time.perf_counter()
-        loss = model.train_step(x[sl], y[sl])
+        if job.capture_code and step == 0:
+            from torch._inductor.utils import run_and_get_code
+            loss, code = run_and_get_code(model.train_step, x[sl], y[sl])
+        else:
+            loss = model.train_step(x[sl], y[sl])
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -84,6 +90,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "verdict": str(sync.state.verdict),
         "tied_bytes_per_step": sync.tied_bytes_per_step(),
         "within_module_ties": model.within_module_ties,
+        "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls,
+        "code": code,
     }
 
 

@@ -4,10 +4,11 @@ Invariant: each bucket's numel is a multiple of `shards` (the data-parallel
 group size), so a reduce-scatter splits it into equal shards, and a parameter
 occupies one contiguous range [offset, offset + numel) of one bucket.
 
-With `align_ties`, a tied gradient starts a new bucket at offset 0, and that
-bucket is padded to a size that depends only on (bucket capacity, the tied
-numel, shards): every stage holding a copy then shards it identically, which
-is what shard-aligned mode needs (the verifier still checks it).
+With `align_ties`, a tied gradient gets a bucket of its own, of size
+round_up(numel, shards): a size that depends only on the weight and the DP
+size, so every stage holding a copy shards it identically and each rank owns
+exactly 1/shards of it, which is what shard-aligned mode needs (the verifier
+still checks it rather than trusting this).
 """
 from __future__ import annotations
 
@@ -75,26 +76,27 @@ def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
     ties = ties or {}
     buckets: list[Bucket] = []
     cur: list[Slot] = []
-    cur_dtype, fixed = None, None  # fixed: the padded size of a tie-aligned bucket
+    cur_dtype = None
 
     def close():
-        nonlocal cur, cur_dtype, fixed
+        nonlocal cur, cur_dtype
         if cur:
             used = cur[-1].offset + cur[-1].numel
-            buckets.append(Bucket(len(buckets), tuple(cur), fixed or round_up(used, shards), cur_dtype))
-        cur, cur_dtype, fixed = [], None, None
+            buckets.append(Bucket(len(buckets), tuple(cur), round_up(used, shards), cur_dtype))
+        cur, cur_dtype = [], None
 
     for spec in ready:
         dtype = reduce_dtype or spec.dtype
         cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
         tie = ties.get(spec.name)
+        alone = bool(tie) and align_ties
         used = cur[-1].offset + cur[-1].numel if cur else 0
-        if cur and (dtype != cur_dtype or used + spec.numel > (fixed or cap) or (tie and align_ties)):
+        if cur and (dtype != cur_dtype or used + spec.numel > cap or alone or cur[-1].tie and align_ties):
             close()
             used = 0
-        if tie and align_ties:
-            fixed = round_up(max(cap, spec.numel), shards)
         cur_dtype = dtype
         cur.append(Slot(spec.name, used, spec.numel, spec.shape, spec.dtype, tie))
+        if alone:
+            close()
     close()
     return BucketLayout(tuple(buckets), shards)

@@ -162,7 +162,7 @@ def _verify_tie(G: nx.DiGraph, tie: TieCheck, v: Verdict) -> None:
                       f"{lay.bucket_numel} (owns {lay.owned()[0]} on dp rank 0)" for lay in tie.layouts)
     v.hazards.append(
         f"tie {tie.tie}: {', '.join(unordered)} reduce-scatters the tied gradient before its tie all-reduce, "
-        f"and the copies sit at different offsets: {where}. The tie all-reduce would add slices of different "
+        f"and the copies are sharded differently: {where}. The tie all-reduce would add slices of different "
         "shards (Megatron-LM #844). Use mode='tied_first' (the default) or 'shard_aligned'.")
 
 

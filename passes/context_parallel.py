@@ -1,0 +1,257 @@
+"""Lower attention calls to the context-parallel ring (on the Dynamo graph, before AOTAutograd).
+
+Invariant: after `lower_attention_to_ring`, every attention call of a recognised form
+(ATTENTION_FORMS: F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
+aten._scaled_dot_product_flash_attention_for_cpu, and flash-attn's flash_attn_func when
+flash-attn is importable) is a call of gradsched.ring_attention.ring_attention over the
+CP group `cp_group_name`: the same inputs, an output of the same shape and dtype, and
+the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
+its own, so AOTAutograd traces it like any other function. A recognised call the ring
+cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
+sequence under the load-balanced causal layout) raises RingAttentionError here, at
+compile time. What was lowered, and which attention-like calls of other forms were
+left local, is recorded in gm.meta["context_parallel"] (a ContextParallelReport) so a
+caller can warn.
+
+Assumes: the graph is ONE rank's forward on its slice of the sequence, laid out by
+gradsched.cp_layout with the same `load_balance`, and every rank of the CP group
+compiles the same graph (the ring's collectives must match across ranks). Everything
+else in the graph must already be correct on a slice of the sequence: positions come
+in through position_ids, and the loss is a sum over local tokens (see cp_layout).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from gradsched.ring_attention import RingAttentionError, check_attention_call, ring_attention
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_CPU_FLASH_PARAMS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
+_FLASH_ATTN_PARAMS = ("q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                      "alibi_slopes", "deterministic", "return_attn_probs")
+
+
+@dataclass(frozen=True)
+class AttentionForm:
+    """How one attention callable spells its arguments."""
+    name: str
+    params: tuple[str, ...]
+    causal: str  # the parameter that says causal
+    scale: str
+    seq_major: bool = False  # [B, L, H, D] (flash-attn) instead of [B, H, L, D]
+    returns_lse: bool = False  # returns (out, lse, ...) instead of out
+
+
+SDPA = AttentionForm("scaled_dot_product_attention", _SDPA_PARAMS, "is_causal", "scale")
+ATEN_SDPA = AttentionForm("aten.scaled_dot_product_attention", _SDPA_PARAMS, "is_causal", "scale")
+CPU_FLASH = AttentionForm("aten._scaled_dot_product_flash_attention_for_cpu", _CPU_FLASH_PARAMS,
+                          "is_causal", "scale", returns_lse=True)
+FLASH_ATTN = AttentionForm("flash_attn_func", _FLASH_ATTN_PARAMS, "causal", "softmax_scale",
+                           seq_major=True)
+
+
+def _attention_forms() -> dict:
+    forms = {
+        torch.nn.functional.scaled_dot_product_attention: SDPA,
+        torch._C._nn.scaled_dot_product_attention: SDPA,
+        torch.ops.aten.scaled_dot_product_attention: ATEN_SDPA,
+        torch.ops.aten.scaled_dot_product_attention.default: ATEN_SDPA,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: CPU_FLASH,
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default: CPU_FLASH,
+    }
+    try:  # GPU-only optional extra: recognised when installed
+        import flash_attn
+        from flash_attn import flash_attn_interface
+    except ImportError:
+        return forms
+    forms[flash_attn.flash_attn_func] = FLASH_ATTN
+    forms[flash_attn_interface.flash_attn_func] = FLASH_ATTN
+    return forms
+
+
+ATTENTION_FORMS = _attention_forms()
+
+# Attention the pass does not lower: reported in left_local so the caller can warn.
+_OTHER_ATTENTION = ("flex_attention", "_scaled_dot_product_efficient_attention",
+                    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                    "_flash_attention_forward", "_efficient_attention_forward")
+
+
+@dataclass(frozen=True)
+class LoweredAttention:
+    node: str  # the replaced node's name
+    form: str
+    causal: bool
+    q_heads: int | None
+    kv_heads: int | None
+    where: str  # the model source line, from the node's stack trace
+
+
+@dataclass
+class ContextParallelReport:
+    cp: int
+    cp_group_name: str
+    lowered: list[LoweredAttention] = field(default_factory=list)
+    left_local: list[str] = field(default_factory=list)  # "node (target) at where"
+
+
+def lower_attention_to_ring(gm: fx.GraphModule, example_inputs=None, *, cp_group_name: str, cp: int,
+                            causal_default: bool | None = None, accumulate: str = "fp32",
+                            comm: str = "ring", load_balance: bool = True) -> fx.GraphModule:
+    """Rewrite gm's attention calls into ring attention over `cp_group_name` (in place).
+
+    causal_default: causality of a call that does not state it (None: the callable's
+    own default, False). Returns gm; the report is gm.meta["context_parallel"].
+    """
+    _check_group(cp_group_name, cp)
+    report = ContextParallelReport(cp, cp_group_name)
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function":
+            continue
+        form = ATTENTION_FORMS.get(node.target)
+        if form is None:
+            if _looks_like_attention(node):
+                report.left_local.append(f"{node.name} ({_target_name(node)}) at {_where(node)}")
+            continue
+        report.lowered.append(_lower_one(gm.graph, node, form, cp_group_name, cp, causal_default,
+                                         accumulate, comm, load_balance))
+    gm.graph.lint()
+    gm.recompile()
+    gm.meta["context_parallel"] = report
+    return gm
+
+
+def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, group: str, cp: int,
+               causal_default, accumulate: str, comm: str, load_balance: bool) -> LoweredAttention:
+    args = _bind(node, form)
+    call = f"{form.name} '{node.name}' at {_where(node)}"
+    causal = args.get(form.causal, causal_default if causal_default is not None else False)
+    dropout_p = args.get("dropout_p", 0.0)
+    for pname, value in ((form.causal, causal), ("dropout_p", dropout_p)):
+        if isinstance(value, fx.Node):
+            raise RingAttentionError(f"{call}: {pname} is computed at run time, so the pass cannot "
+                                     "tell which ring to build. Make it a Python constant.")
+    if form is FLASH_ATTN:
+        _check_flash_attn_extras(call, args)
+    q, k, v = (args[p] for p in form.params[:3])
+    q_shape, k_shape = _shape(q), _shape(k)
+    heads = (2, 1) if form.seq_major else (1, 2)  # (head dim, sequence dim)
+    q_heads = _int(q_shape, heads[0])
+    kv_heads = _int(k_shape, heads[0])
+    local_len = _int(q_shape, heads[1])
+    check_attention_call(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
+                         local_len=local_len if local_len is not None else 0, cp=cp,
+                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
+                         has_attn_mask=args.get("attn_mask") is not None,
+                         accumulate=accumulate, comm=comm)
+
+    with graph.inserting_before(node):
+        if form.seq_major:
+            q, k, v = (_transpose(graph, x) for x in (q, k, v))
+        ring = graph.call_function(
+            ring_attention, (q, k, v, group),
+            {"causal": bool(causal), "scale": args.get(form.scale), "accumulate": accumulate,
+             "comm": comm, "load_balance": load_balance, "return_lse": form.returns_lse,
+             "call": call})
+        _copy_meta(node, ring)
+        result = ring
+        if form.seq_major:
+            ring.meta.pop("val", None)
+            ring.meta.pop("example_value", None)
+            _set_fake(ring, _fake(node).transpose(1, 2) if _fake(node) is not None else None)
+            result = _transpose(graph, ring)
+            _copy_meta(node, result)
+    node.replace_all_uses_with(result)
+    graph.erase_node(node)
+    return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node))
+
+
+def _bind(node: fx.Node, form: AttentionForm) -> dict:
+    """The call's arguments by parameter name (only those it passes)."""
+    args = dict(zip(form.params, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _check_flash_attn_extras(call: str, args: dict) -> None:
+    extras = {"window_size": (-1, -1), "softcap": 0.0, "alibi_slopes": None, "return_attn_probs": False}
+    for name, neutral in extras.items():
+        value = args.get(name, neutral)
+        if isinstance(value, list):
+            value = tuple(value)
+        if value != neutral:
+            raise RingAttentionError(f"{call}: {name}={value!r} is not supported by the ring, which "
+                                     "computes only causal or full attention. Call it without "
+                                     f"{name}, or keep this attention out of context parallelism.")
+
+
+def _check_group(group: str, cp: int) -> None:
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        return  # nothing to check against (e.g. inspecting graphs in one process)
+    try:
+        pg = dist.distributed_c10d._resolve_process_group(group)
+    except (RuntimeError, ValueError):
+        raise RingAttentionError(f"context-parallel lowering: no process group is named "
+                                 f"{group!r}. Pass plan.process_group('cp').group_name.") from None
+    size = dist.get_world_size(pg)
+    if size != cp:
+        raise RingAttentionError(f"context-parallel lowering: cp={cp}, but group {group!r} has "
+                                 f"{size} ranks. Pass the CP group and its size.")
+
+
+# ---- small helpers ------------------------------------------------------------------------
+
+def _fake(node):
+    if not isinstance(node, fx.Node):
+        return None
+    return node.meta.get("val", node.meta.get("example_value"))
+
+
+def _shape(node):
+    val = _fake(node)
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _int(shape, dim):
+    if shape is None:
+        return None
+    n = shape[dim]
+    return n if isinstance(n, int) else None  # symbolic: the ring checks at run time
+
+
+def _set_fake(node: fx.Node, val) -> None:
+    if val is not None:
+        node.meta["val"] = val
+        node.meta["example_value"] = val
+
+
+def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    for key in ("val", "example_value", "stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def _transpose(graph: fx.Graph, x: fx.Node) -> fx.Node:
+    t = graph.call_function(torch.transpose, (x, 1, 2))
+    val = _fake(x)
+    _set_fake(t, val.transpose(1, 2) if isinstance(val, torch.Tensor) else None)
+    return t
+
+
+def _where(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
+    return lines[-1] if lines else "<unknown source>"
+
+
+def _target_name(node: fx.Node) -> str:
+    return getattr(node.target, "__name__", None) or str(node.target)
+
+
+def _looks_like_attention(node: fx.Node) -> bool:
+    name = _target_name(node) + " " + str(node.target)
+    return any(other in name for other in _OTHER_ATTENTION)

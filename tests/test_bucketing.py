@@ -1,0 +1,48 @@
+"""Bucket planning: ready order, shard-sized buckets, aligned ties."""
+import torch
+
+from gradsched.passes.bucketing import owned_range, plan_buckets, round_up
+from gradsched.passes.grad_ready_order import GradSpec
+
+
+def specs(*sizes, dtype=torch.float32):
+    return [GradSpec(f"p{i}", (n,), dtype, i) for i, n in enumerate(sizes)]
+
+
+def test_buckets_follow_ready_order_and_capacity():
+    layout = plan_buckets(specs(100, 100, 100), bucket_mb=200 * 4 / 2**20, shards=1)
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p0", "p1"], ["p2"]]
+    assert [s.offset for s in layout.buckets[0].slots] == [0, 100]
+
+
+def test_bucket_sizes_are_multiples_of_the_shard_count():
+    layout = plan_buckets(specs(7, 5, 3), bucket_mb=1.0, shards=4)
+    assert all(b.numel % 4 == 0 for b in layout.buckets)
+    assert layout.buckets[0].numel == round_up(15, 4)
+
+
+def test_a_dtype_change_starts_a_new_bucket_unless_reduced_in_one_dtype():
+    mixed = specs(4) + [GradSpec("h", (4,), torch.bfloat16, 1)]
+    assert len(plan_buckets(mixed, bucket_mb=1.0, shards=2).buckets) == 2
+    one = plan_buckets(mixed, bucket_mb=1.0, shards=2, reduce_dtype=torch.float32)
+    assert len(one.buckets) == 1 and one.buckets[0].dtype == torch.float32
+
+
+def test_aligned_tie_gets_a_bucket_whose_layout_depends_only_on_its_size():
+    # the same weight ready first on one stage and last on the other
+    first = [GradSpec("head", (10, 3), torch.float32, 0)] + specs(50, 7)
+    last = specs(13) + [GradSpec("emb", (10, 3), torch.float32, 1)]
+    a = plan_buckets(first, bucket_mb=1.0, shards=4, ties={"head": "t"}, align_ties=True)
+    b = plan_buckets(last, bucket_mb=1.0, shards=4, ties={"emb": "t"}, align_ties=True)
+    (ba, sa), (bb, sb) = a.locate("head"), b.locate("emb")
+    assert (sa.offset, ba.numel, len(ba.slots)) == (sb.offset, bb.numel, len(bb.slots)) == (0, 32, 1)
+    owned = [owned_range(ba.numel, sa.offset, sa.numel, 4, k) for k in range(4)]
+    assert owned == [(0, 8), (8, 16), (16, 24), (24, 30)]
+
+
+def test_unaligned_ties_land_at_different_offsets():
+    first = [GradSpec("head", (30,), torch.float32, 0)] + specs(50)
+    last = specs(13) + [GradSpec("emb", (30,), torch.float32, 1)]
+    a = plan_buckets(first, bucket_mb=1.0, shards=2, ties={"head": "t"})
+    b = plan_buckets(last, bucket_mb=1.0, shards=2, ties={"emb": "t"})
+    assert a.locate("head")[1].offset == 0 and b.locate("emb")[1].offset == 13

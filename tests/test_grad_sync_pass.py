@@ -1,0 +1,146 @@
+"""The grad-sync pass and the verifier on graphs built in one process (no collectives run)."""
+import json
+
+import networkx as nx
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gradsched.passes import SyncSpec, TieCheck, TieLayout, insert_grad_sync, plan_buckets, verify_graph
+from gradsched.passes.grad_ready_order import GradSpec, grad_ready_order
+from gradsched.passes.graph_utils import META_KEY, is_collective
+from gradsched.passes.verify import graph_to_json, main as verify_main, to_nx
+
+TIE = "0:emb~1:head"
+
+
+def grads_graph(shapes: dict[str, tuple]) -> fx.GraphModule:
+    """A graph whose outputs are its gradient inputs, in the given (ready) order."""
+    g, fake = fx.Graph(), FakeTensorMode()
+    phs = []
+    for name, shape in shapes.items():
+        ph = g.placeholder(name)
+        ph.meta["val"] = fake.from_tensor(torch.empty(shape))
+        phs.append(ph)
+    g.output(tuple(phs))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def synced(mode, shapes, tied="emb", shard_rank=0, shards=2, bucket_mb=1.0, align=False):
+    gm = grads_graph(shapes)
+    ready = grad_ready_order(gm, dict(enumerate(shapes)))
+    layout = plan_buckets(ready, bucket_mb=bucket_mb, shards=shards, ties={tied: TIE}, align_ties=align)
+    spec = SyncSpec(layout, {n: i for i, n in enumerate(shapes)}, group="dp", group_size=shards,
+                    shard_rank=shard_rank, tie_groups={TIE: "tie"}, mode=mode)
+    return insert_grad_sync(gm, spec), layout
+
+
+def tie_check(gm, layout, name, rank, peers=()):
+    b, s = layout.locate(name)
+    mine = TieLayout(rank, name, b.index, s.offset, s.numel, b.numel, layout.shards)
+    return TieCheck(TIE, "tie", gm.meta[META_KEY].sources[name], [mine, *peers])
+
+
+STAGE0 = {"w1": (8, 4), "w2": (4,), "emb": (16, 4)}  # the embedding's gradient is ready last
+STAGE1 = {"head": (16, 4), "w3": (4, 4)}  # the head's gradient is ready first
+
+
+def test_tied_first_makes_the_tie_all_reduce_an_input_of_the_bucket_reduction():
+    gm, _ = synced("tied_first", STAGE0)
+    G = to_nx(gm)
+    ar = [n for n, d in G.nodes(data=True) if d["group"] == "tie"]
+    rs = [n for n, d in G.nodes(data=True) if d["collective"] == "reduce_scatter"]
+    assert len(ar) == 1 and len(rs) == 1
+    assert nx.has_path(G, ar[0], rs[0])
+    cut = G.subgraph(n for n in G if n != ar[0])
+    assert not nx.has_path(cut, "emb", rs[0])
+
+
+def test_collectives_are_issued_in_bucket_order():
+    gm, layout = synced("tied_first", {"a": (300,), "b": (300,), "c": (300,)}, tied="c",
+                        bucket_mb=400 * 4 / 2**20)
+    tags = [n.meta[META_KEY] for n in gm.graph.nodes if is_collective(n)]
+    assert [b.index for b in layout.buckets] == [0, 1, 2]  # 300 + 300 > 400: one gradient per bucket
+    assert [(t["role"], t["bucket"]) for t in tags] == [
+        ("dp_reduce", 0), ("dp_reduce", 1), ("tie_all_reduce", 2), ("dp_reduce", 2)]
+
+
+def test_every_node_keeps_a_fake_value_with_the_right_shape():
+    gm, layout = synced("shard_aligned", STAGE0, align=True)
+    for n in gm.graph.nodes:
+        if n.op not in ("output",):
+            assert isinstance(n.meta.get("val"), torch.Tensor), n.name
+    outs = gm.graph.output_node().args[0]
+    shards = [o.meta["val"].shape for o in outs[len(STAGE0):]]
+    assert shards == [(b.numel // 2,) for b in layout.buckets]
+
+
+def test_synced_gradients_leave_the_outputs_and_shards_are_appended():
+    gm, layout = synced("tied_first", STAGE0)
+    outs = gm.graph.output_node().args[0]
+    assert outs[:3] == (None, None, None) and len(outs) == 3 + len(layout.buckets)
+
+
+def test_verifier_proves_tied_first():
+    gm, layout = synced("tied_first", STAGE0)
+    v = verify_graph(gm, [tie_check(gm, layout, "emb", 0)])
+    assert v.ok and "only through the tie all-reduce" in v.proofs[0]
+
+
+def test_verifier_rejects_reduce_scatter_first_with_misaligned_copies():
+    gm0, l0 = synced("unsafe_rs_first", STAGE0)
+    gm1, l1 = synced("unsafe_rs_first", STAGE1, tied="head")
+    peer = tie_check(gm1, l1, "head", 2).layouts[0]
+    v = verify_graph(gm0, [tie_check(gm0, l0, "emb", 0, [peer])], rank=0)
+    assert not v.ok
+    msg = v.hazards[0]
+    for needle in ("'emb'", "'head'", "rank 0", "rank 2", "offset 36", "offset 0", "#844"):
+        assert needle in msg, needle
+
+
+def test_verifier_accepts_reduce_scatter_first_when_every_member_shards_alike():
+    gm0, l0 = synced("shard_aligned", STAGE0, align=True)
+    gm1, l1 = synced("shard_aligned", STAGE1, tied="head", align=True)
+    peer = tie_check(gm1, l1, "head", 2).layouts[0]
+    v = verify_graph(gm0, [tie_check(gm0, l0, "emb", 0, [peer])])
+    assert v.ok and "shards it identically" in v.proofs[0]
+
+
+def test_verifier_cannot_prove_alignment_without_the_other_members():
+    gm, layout = synced("shard_aligned", STAGE0, align=True)
+    v = verify_graph(gm, [tie_check(gm, layout, "emb", 0)])
+    assert not v.ok and "unproven" in v.hazards[0]
+
+
+def test_verifier_reports_a_tied_gradient_that_is_never_summed():
+    gm, layout = synced("tied_first", STAGE0)
+    check = tie_check(gm, layout, "emb", 0)
+    check.group = "some_other_group"
+    v = verify_graph(gm, [check])
+    assert not v.ok and "never all-reduced" in v.hazards[0]
+
+
+@pytest.mark.parametrize("mode,expect", [("unsafe_rs_first", 1), ("tied_first", 0)])
+def test_command_line_verifies_dumps_of_every_rank(tmp_path, capsys, mode, expect):
+    gm0, l0 = synced(mode, STAGE0)
+    gm1, l1 = synced(mode, STAGE1, tied="head")
+    for rank, (gm, lay, name) in {0: (gm0, l0, "emb"), 2: (gm1, l1, "head")}.items():
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(graph_to_json(gm, [tie_check(gm, lay, name, rank)], rank)))
+    assert verify_main([str(tmp_path)]) == expect
+    out = capsys.readouterr().out
+    assert ("HAZARD" in out) == bool(expect)
+
+
+def test_ready_order_follows_the_nodes_that_produce_each_gradient():
+    g, fake = fx.Graph(), FakeTensorMode()
+    x = g.placeholder("x")
+    x.meta["val"] = fake.from_tensor(torch.empty(3))
+    late = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    early = g.call_function(torch.ops.aten.neg.default, (x,))
+    for n in (late, early):
+        n.meta["val"] = fake.from_tensor(torch.empty(3))
+    g.output((early, late))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    order = grad_ready_order(gm, {0: "early_out", 1: "late_out"})
+    assert [s.name for s in order] == ["late_out", "early_out"]
