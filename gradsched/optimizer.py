@@ -18,15 +18,20 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_SHARDED = weakref.WeakSet()  # parameters whose gradients only exist as shards
+_SHARDED = weakref.WeakValueDictionary()  # id -> parameter whose gradient only exists as shards
 
 
 def mark_sharded(params) -> None:
-    _SHARDED.update(params)
+    for p in params:
+        _SHARDED[id(p)] = p
+
+
+def is_sharded(p) -> bool:
+    return _SHARDED.get(id(p)) is p  # by identity: tensors' == is elementwise
 
 
 def _refuse_full_parameter_step(optimizer, args, kwargs):
-    if any(p in _SHARDED for g in optimizer.param_groups for p in g["params"]):
+    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
         raise RuntimeError(
             f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
             ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "

@@ -74,6 +74,8 @@ class ParallelPlan:
     @property
     def rank(self) -> int:
         """This process's rank inside the plan (0 .. world-1)."""
+        if self.world == 1 and not dist.is_initialized():
+            return 0  # a one-process plan needs no process group until something is reduced
         return dist.get_rank(self.group)
 
     def coords(self, rank: int | None = None) -> tuple[int, int, int]:

@@ -27,6 +27,7 @@ class Job:
     schedule: str = "auto"
     options: dict = field(default_factory=lambda: {"compiler": "eager"})
     rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
+    ties: list | None = None  # explicit tie declaration (override); None: discover
     capture_code: bool = False  # return the code Inductor generates during the first step
 
 
@@ -60,7 +61,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     torch.manual_seed(job.seed)
     opts = {**job.options, **job.rank_options.get(rank, {})}
     model = gradsched.parallelize(TinyGPT(job.config), plan=plan, loss_fn=lm_loss,
-                                  split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule,
+                                  split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
     _, dp_idx, _ = plan.coords()
@@ -92,6 +93,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "within_module_ties": model.within_module_ties,
         "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls,
         "code": code,
+        "sync_graph_ops": [str(n.target) for n in sync.state.sync_gm.graph.nodes if n.op == "call_function"],
     }
 
 

@@ -1,0 +1,57 @@
+"""Per-rank bodies for the multi-process tests (spawned processes import them by module name)."""
+import torch
+
+import gradsched
+from gradsched.tied_training import Job, optimizer_kwargs
+from gradsched.tiny_gpt import TinyGPT, lm_loss, make_batch
+
+
+def plan_errors(rank, world):
+    out = []
+    for kwargs in ({"pp": 3}, {"pp": 1, "dp": 3}, {"pp": 0}):
+        try:
+            gradsched.ParallelPlan.from_world(**kwargs)
+            out.append(None)
+        except gradsched.PlanError as e:
+            out.append(str(e))
+    return out
+
+
+def compile_with_backend_name(rank, world, job: Job):
+    """Plain data parallel through torch.compile(backend="gradsched") and an ordinary optimizer."""
+    plan = gradsched.ParallelPlan.from_world(pp=1)
+    torch.manual_seed(job.seed)
+    model = TinyGPT(job.config)
+    compiled = torch.compile(model, backend="gradsched", fullgraph=True,
+                             options={"plan": plan, "compiler": "eager", "shard": False})
+    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
+    per = job.global_batch // world
+    for step in range(job.steps):
+        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        lm_loss(compiled(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"rank": rank, "stage": 0, "dp_idx": rank, "ties": [],
+            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def decorated_class(rank, world, job: Job):
+    """The decorator on a model class: instances come back parallel."""
+    plan = gradsched.ParallelPlan.from_world(pp=job.pp)
+
+    @gradsched.parallelize(plan=plan, loss_fn=lm_loss, split_points=job.split_points, compiler="eager")
+    class GPT(TinyGPT):
+        pass
+
+    torch.manual_seed(job.seed)
+    model = GPT(job.config)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
+    _, dp_idx, _ = plan.coords()
+    per = job.global_batch // plan.dp
+    for step in range(job.steps):
+        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        model.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
+        opt.step()
+    sync = model.grad_sync
+    return {"rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "ties": [t.members for t in sync.ties.values()],
+            "params": {n: p.detach().clone() for n, p in sync.state.params.items()}}

@@ -1,0 +1,58 @@
+"""Bad input gets an error that says what was wrong and what to do."""
+import pytest
+import torch
+
+import gradsched
+from gradsched.launch import run_ranks
+from gradsched.optimizer import mark_sharded
+from gradsched.tiny_gpt import TinyGPT, lm_loss
+
+from rank_fns import plan_errors
+
+
+def test_plan_sizes_that_do_not_divide_the_world_are_refused():
+    too_many_stages, wrong_dp, zero = run_ranks(plan_errors, 2)[0]
+    assert "pp=3 x cp=1 does not divide the world size 2" in too_many_stages
+    assert "pp=1 x dp=3 x cp=1 = 3 processes, but the world has 2" in wrong_dp
+    assert "pp=0" in zero
+
+
+def test_an_optimizer_built_over_full_parameters_is_refused():
+    model = TinyGPT()
+    with pytest.raises(TypeError, match="Pass the class and its arguments"):
+        gradsched.DistributedOptimizer(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_an_ordinary_optimizer_over_sharded_parameters_refuses_to_step():
+    model = TinyGPT()
+    mark_sharded(model.parameters())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="gradsched.DistributedOptimizer"):
+        opt.step()
+
+
+def test_unknown_or_invalid_options_are_named():
+    with pytest.raises(ValueError, match="unknown gradsched option.*bucket_size"):
+        gradsched.SyncOptions.from_dict({"bucket_size": 4})
+    with pytest.raises(ValueError, match="mode='bogus'"):
+        gradsched.SyncOptions(mode="bogus")
+    with pytest.raises(ValueError, match="needs shard=True"):
+        gradsched.SyncOptions(mode="shard_aligned", shard=False)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_names_a_schedule_that_works():
+    plan = gradsched.ParallelPlan(pp=2, dp=1)  # sizes only: no process group is touched
+    with pytest.raises(ValueError, match="use schedule='gpipe'"):
+        gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], schedule="1f1b")
+
+
+def test_a_pipeline_without_split_points_is_refused():
+    with pytest.raises(ValueError, match="needs 1 split_points"):
+        gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=2, dp=1), loss_fn=lm_loss)
+
+
+def test_a_batch_that_does_not_split_into_microbatches_is_refused():
+    model = gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(), loss_fn=lm_loss, microbatches=3)
+    x = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(ValueError, match="batch of 4 does not split into microbatches=3"):
+        model.train_step(x, x)

@@ -1,0 +1,32 @@
+"""Inductor compiles the inserted collectives: they are in the generated code, and the
+backward-placed reductions start before the backward's last matmul (they can overlap)."""
+from gradsched.launch import run_ranks
+from gradsched.tied_training import Job, compare, rank_main, reference
+
+
+def first(ops, needle):
+    return next(i for i, op in enumerate(ops) if needle in op)
+
+
+def last(ops, needle):
+    return max(i for i, op in enumerate(ops) if needle in op)
+
+
+def test_backward_graph_reductions_are_compiled_by_inductor_and_start_before_the_backward_ends():
+    job = Job(pp=1, dp=2, steps=2, capture_code=True, options={"compiler": "inductor", "bucket_mb": 0.01})
+    ranks = run_ranks(rank_main, 2, job, timeout_s=400)
+    code = "\n".join(ranks[0]["code"])
+    assert "_c10d_functional.reduce_scatter_tensor" in code and "_c10d_functional.wait_tensor" in code
+    ops = ranks[0]["sync_graph_ops"]
+    assert first(ops, "reduce_scatter_tensor") < last(ops, "aten.mm")
+    assert compare(reference(job), ranks)["max_abs_diff"] < 1e-5
+
+
+def test_flush_graph_orders_the_tie_all_reduce_before_the_reduce_scatter_under_inductor():
+    job = Job(pp=2, dp=1, steps=2, capture_code=True, options={"compiler": "inductor"})
+    ranks = run_ranks(rank_main, 2, job, timeout_s=400)
+    for r in ranks:
+        code = "\n".join(r["code"])
+        assert code.index("_c10d_functional.all_reduce") < code.index("_c10d_functional.reduce_scatter_tensor")
+    cmp = compare(reference(job), ranks)
+    assert cmp["max_abs_diff"] < 1e-5 and cmp["tied_bitwise_equal"]
