@@ -1,0 +1,242 @@
+"""The attention lowering pass (passes/context_parallel.py) on Dynamo graphs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from gradsched.cp_layout import shard, unshard
+from gradsched.launch import run_ranks
+from gradsched.ring_attention import RingAttentionError, ring_attention
+from passes.context_parallel import ContextParallelReport, lower_attention_to_ring
+
+B, H, KV, L, D = 1, 4, 2, 8, 8  # L: one rank's slice of the sequence
+
+
+def dynamo_graph(fn, *args) -> fx.GraphModule:
+    """The graph a torch.compile backend receives for fn(*args)."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=capture, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def qkv(heads=H, kv_heads=KV, length=L):
+    return (torch.randn(B, heads, length, D, requires_grad=True), torch.randn(B, kv_heads, length, D),
+            torch.randn(B, kv_heads, length, D))
+
+
+def calls(gm, target):
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def lower(gm, **kw):
+    return lower_attention_to_ring(gm, cp_group_name="cp", cp=kw.pop("cp", 2), **kw)
+
+
+def two_layers(q, k, v):
+    x = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(x, k, v, is_causal=True, enable_gqa=True)
+
+
+def test_every_sdpa_call_becomes_one_ring_call_on_the_cp_group():
+    gm = lower(dynamo_graph(two_layers, *qkv()))
+    assert not calls(gm, torch._C._nn.scaled_dot_product_attention)
+    rings = calls(gm, ring_attention)
+    assert len(rings) == 2
+    for node in rings:
+        assert node.args[3] == "cp"
+        assert node.kwargs["causal"] is True and node.kwargs["load_balance"] is True
+
+
+def test_ring_nodes_keep_the_replaced_calls_fake_values():
+    gm = dynamo_graph(two_layers, *qkv())
+    before = [n.meta["example_value"] for n in calls(gm, torch._C._nn.scaled_dot_product_attention)]
+    after = [n.meta["example_value"] for n in calls(lower(gm), ring_attention)]
+    assert [(v.shape, v.dtype) for v in after] == [(v.shape, v.dtype) for v in before]
+
+
+def test_report_records_each_lowered_call():
+    report = lower(dynamo_graph(two_layers, *qkv())).meta["context_parallel"]
+    assert isinstance(report, ContextParallelReport) and report.cp == 2
+    assert [(c.causal, c.q_heads, c.kv_heads) for c in report.lowered] == [(True, H, KV)] * 2
+    assert all("two_layers" in c.where for c in report.lowered)
+    assert report.left_local == []
+
+
+def test_options_reach_the_ring_call():
+    gm = lower(dynamo_graph(two_layers, *qkv()), accumulate="fp32_blocks", comm="allgather",
+               load_balance=False)
+    kwargs = calls(gm, ring_attention)[0].kwargs
+    assert (kwargs["accumulate"], kwargs["comm"], kwargs["load_balance"]) == ("fp32_blocks", "allgather", False)
+
+
+def test_explicit_scale_is_kept():
+    def scaled(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, scale=0.25, enable_gqa=True)
+    assert calls(lower(dynamo_graph(scaled, *qkv())), ring_attention)[0].kwargs["scale"] == 0.25
+
+
+def test_causal_default_decides_calls_that_do_not_say():
+    def unstated(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    assert calls(lower(dynamo_graph(unstated, *qkv())), ring_attention)[0].kwargs["causal"] is False
+    gm = lower(dynamo_graph(unstated, *qkv()), causal_default=True)
+    assert calls(gm, ring_attention)[0].kwargs["causal"] is True
+
+
+def test_aten_cpu_flash_call_is_lowered_and_its_lse_kept():
+    def aten_flash(q, k, v):
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+        return out * lse.unsqueeze(-1)
+    gm = lower(dynamo_graph(aten_flash, *qkv(kv_heads=H)))
+    (ring,) = calls(gm, ring_attention)
+    assert ring.kwargs["return_lse"] is True
+    assert {u.target.__name__ for u in ring.users} == {"getitem"}
+
+
+def test_aten_sdpa_call_is_lowered():
+    def aten_sdpa(q, k, v):
+        return torch.ops.aten.scaled_dot_product_attention(q, k, v, None, 0.0, True)
+    gm = lower(dynamo_graph(aten_sdpa, *qkv(kv_heads=H)))
+    assert len(calls(gm, ring_attention)) == 1
+
+
+def flex_attention(q, k, v):  # stands for an attention form the pass does not lower
+    return q
+
+
+torch.fx.wrap("flex_attention")
+
+
+def test_attention_of_other_forms_is_reported_as_left_local():
+    gm = fx.symbolic_trace(lambda q, k, v: flex_attention(q, k, v) + 1)
+    report = lower(gm).meta["context_parallel"]
+    assert report.lowered == [] and len(report.left_local) == 1 and "flex_attention" in report.left_local[0]
+
+
+# ---- refused at compile time ----------------------------------------------------------------
+
+def traced(fn, *shapes):
+    """fn traced symbolically, inputs given fake values of `shapes` (no shape checks run)."""
+    gm = fx.symbolic_trace(fn)
+    for node, shape in zip((n for n in gm.graph.nodes if n.op == "placeholder"), shapes):
+        node.meta["val"] = torch.empty(shape, device="meta")
+    return gm
+
+
+def test_attn_mask_tensor_is_refused_naming_the_call():
+    def masked(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    gm = dynamo_graph(masked, *qkv(kv_heads=H), torch.ones(L, L, dtype=torch.bool))
+    with pytest.raises(RingAttentionError, match=r"scaled_dot_product_attention '\w+' at .*masked.*"
+                                                  r"attn_mask tensor.*Use is_causal=True"):
+        lower(gm)
+
+
+def test_dropout_in_training_is_refused():
+    class Attention(nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=0.1 if self.training else 0.0,
+                                                  is_causal=True)
+    module = Attention()
+    with pytest.raises(RingAttentionError, match=r"dropout_p=0.1.*Set the model's attention dropout to 0.0"):
+        lower(dynamo_graph(module, *qkv(kv_heads=H)))
+    assert len(calls(lower(dynamo_graph(module.eval(), *qkv(kv_heads=H))), ring_attention)) == 1
+
+
+def test_query_heads_not_a_multiple_of_kv_heads_are_refused():
+    gm = traced(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                (B, 3, L, D), (B, 2, L, D), (B, 2, L, D))
+    with pytest.raises(RingAttentionError, match="3 query heads are not a multiple of 2"):
+        lower(gm)
+
+
+def test_odd_local_sequence_under_the_balanced_causal_layout_is_refused():
+    gm = dynamo_graph(two_layers, *qkv(length=7))
+    with pytest.raises(RingAttentionError, match=r"sequence length 14 is not divisible by 2\*cp=4"):
+        lower(gm)
+    assert len(calls(lower(dynamo_graph(two_layers, *qkv(length=7)), load_balance=False), ring_attention)) == 2
+
+
+def test_causality_computed_at_run_time_is_refused():
+    gm = traced(lambda q, k, v, c: F.scaled_dot_product_attention(q, k, v, is_causal=c),
+                (B, H, L, D), (B, H, L, D), (B, H, L, D), ())
+    with pytest.raises(RingAttentionError, match="is_causal is computed at run time"):
+        lower(gm)
+
+
+# ---- lowered model on two ranks --------------------------------------------------------------
+
+class TinyAttention(nn.Module):
+    """One GQA causal attention layer, as a model writes it."""
+
+    def __init__(self, dim=16, heads=4, kv_heads=2, head_dim=8):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.q = nn.Linear(dim, heads * head_dim)
+        self.kv = nn.Linear(dim, 2 * kv_heads * head_dim)
+        self.o = nn.Linear(heads * head_dim, dim)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q = self.q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(x).view(b, n, 2, self.kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, n, -1))
+
+
+def _model_and_data(dtype=torch.float32, seq=32):
+    torch.manual_seed(0)
+    model = TinyAttention().to(dtype)
+    g = torch.Generator().manual_seed(1)
+    x, dy = (torch.randn(2, seq, 16, generator=g).to(dtype) for _ in range(2))
+    return model, x, dy
+
+
+def _run(model, x, dy):
+    x = x.detach().clone().requires_grad_()
+    y = model(x)
+    y.backward(dy)
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+def _lowered_worker(rank, world):
+    torch.set_num_threads(1)
+    group = dist.group.WORLD.group_name
+    model, x, dy = _model_and_data()
+    reports = []
+
+    def backend(gm, example_inputs):
+        gm = lower_attention_to_ring(gm, example_inputs, cp_group_name=group, cp=world)
+        reports.append(gm.meta["context_parallel"])
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    results = _run(compiled, shard(x, world, rank, dim=1), shard(dy, world, rank, dim=1))
+    return results, len(reports[0].lowered)
+
+
+def test_lowered_model_matches_full_sequence_attention_on_two_ranks():
+    world = 2
+    per_rank = run_ranks(_lowered_worker, world, timeout_s=240)
+    assert [n for _, n in per_rank] == [1, 1]
+    model, x, dy = _model_and_data()
+    single = _run(model, x, dy)
+    model.zero_grad()
+    reference = _run(model.double(), x.double(), dy.double())
+    ranks = [r for r, _ in per_rank]
+    got = [unshard([r[i] for r in ranks], world, dim=1) for i in (0, 1)]  # y, dx: sequence-sharded
+    got += [sum(r[i] for r in ranks) for i in range(2, len(single))]     # parameter grads: summed
+    for i, (g, s, r) in enumerate(zip(got, single, reference)):
+        floor = 2 * world * torch.finfo(torch.float32).eps * r.abs().max().item()
+        err, single_err = (g.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
+        assert err <= 2 * single_err + floor, f"output {i}: {err:.3g} > 2 x {single_err:.3g} + {floor:.3g}"
