@@ -20,7 +20,7 @@ class Job:
     dp: int = 2
     steps: int = 3
     global_batch: int = 8
-    lr: float = 1e-2
+    lr: float = 1e-3  # a small GPT's usual rate; Adam scales rounding noise of near-zero gradients by lr
     seed: int = 0
     config: GPTConfig = field(default_factory=GPTConfig)
     split_points: tuple = ("blocks.1",)

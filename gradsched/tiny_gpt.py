@@ -50,6 +50,14 @@ class TinyGPT(nn.Module):
         self.ln_f = nn.LayerNorm(c.dim)
         self.lm_head = nn.Linear(c.dim, c.vocab, bias=False)
         self.lm_head.weight = self.wte.weight  # tied: one Parameter, two uses
+        self.apply(self._init)
+
+    @staticmethod
+    def _init(m):  # GPT-2's init: small weights, so the first logits are near uniform
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
 
     def forward(self, idx):
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))

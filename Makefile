@@ -1,0 +1,30 @@
+# Two commands set up everything on a fresh machine:
+#   make demo   train the tiny tied GPT on 4 CPU processes (pp=2 x dp=2) and check it
+#   make test   the whole suite
+# torch is pinned to the CPU wheel: an unpinned torch would pull gigabytes of CUDA packages.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH := torch==2.13.0
+
+.PHONY: demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)" numpy -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m gradsched.demo
+
+test: $(VENV)/.installed
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+bench: $(VENV)/.installed
+	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3
+	$(PY) benchmarks/cp_numerics.py --cp 8 --seq 4096 --heads 12 --dim 128 --dtype bf16 --causal
+	$(PY) benchmarks/cp_speed.py
+
+clean:
+	rm -rf $(VENV) *.egg-info
