@@ -39,6 +39,20 @@ def parameter_inputs(gm: fx.GraphModule, example_inputs) -> dict[int, tuple[str,
     return found
 
 
+def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
+    """Context parallelism: attention becomes ring steps over the plan's CP group."""
+    from gradsched.passes.context_parallel import lower_attention_to_ring
+    lower_attention_to_ring(gm, example_inputs, cp_group_name=plan.process_group("cp").group_name, cp=plan.cp,
+                            accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance)
+    from gradsched.passes.sequence_mixing import hand_written_attention
+    local = gm.meta["context_parallel"].left_local + hand_written_attention(gm)
+    if local:
+        raise NotImplementedError(
+            f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "
+            f"slice of the sequence it would be silently wrong: {'; '.join(local)}. Express it with "
+            "torch.nn.functional.scaled_dot_product_attention, or train this model with cp=1.")
+
+
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None):
     """Dynamo backend entry point (registered as "gradsched")."""
     options = dict(options or {})
@@ -51,7 +65,10 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         from .runtime import GradSync
         grad_sync = GradSync(plan, SyncOptions.from_dict(options))
     params = parameter_inputs(gm, example_inputs)
-    compiler = grad_sync.options.compiler
+    opts, plan = grad_sync.options, grad_sync.plan
+    compiler = opts.compiler
+    if plan.cp > 1:
+        lower_attention(gm, example_inputs, plan, opts)
 
     def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
         descs = bw_gm.graph.output_node().meta.get("desc") or []

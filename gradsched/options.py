@@ -8,6 +8,8 @@ import torch
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
 PLACEMENTS = ("auto", "backward", "flush")
 COMPILERS = ("inductor", "eager")
+ACCUMULATE = ("fp32", "input", "fp32_blocks")
+COMMS = ("ring", "allgather")
 
 
 @dataclass
@@ -39,6 +41,10 @@ class SyncOptions:
     allow_hazard: bool = False
     check_ranks: bool = True  # exchange collective fingerprints before the first collective
     dump_dir: str | None = None
+    # context parallelism (plan.cp > 1): how attention is lowered into ring steps
+    accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
+    comm: str = "ring"  # "ring" (p2p K/V rotation) | "allgather"
+    load_balance: bool = True  # causal layout: rank r holds chunks r and 2cp-1-r
 
     def __post_init__(self):
         def bad(name, value, allowed):
@@ -49,6 +55,10 @@ class SyncOptions:
             bad("placement", self.placement, PLACEMENTS)
         if self.compiler not in COMPILERS:
             bad("compiler", self.compiler, COMPILERS)
+        if self.accumulate not in ACCUMULATE:
+            bad("accumulate", self.accumulate, ACCUMULATE)
+        if self.comm not in COMMS:
+            bad("comm", self.comm, COMMS)
         if self.bucket_mb <= 0:
             raise ValueError(f"gradsched option bucket_mb={self.bucket_mb} must be > 0.")
         if self.microbatches < 1:

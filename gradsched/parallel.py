@@ -59,9 +59,22 @@ class ParallelModel:
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
                                     backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync))
 
-    def _build_pipeline(self, microbatch):
+    def _shard_sequence(self, inputs, targets):
+        """Model inputs as a tuple; under context parallelism, this rank's slice of the sequence.
+
+        The model then gets (tokens, positions): each rank holds non-contiguous chunks, so
+        positions must come in explicitly (learned or rotary embeddings read them).
+        """
+        if self.plan.cp == 1:
+            return (inputs,), targets
+        from .cp_layout import shard
+        cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
+        pos = torch.arange(inputs.shape[1]).expand(inputs.shape[:2])
+        return (shard(inputs, cp, r, 1, lb), shard(pos, cp, r, 1, lb)), shard(targets, cp, r, 1, lb)
+
+    def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
-        pipe = pipeline(self.model, mb_args=(microbatch,),
+        pipe = pipeline(self.model, mb_args=microbatch,
                         split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         self._build(ties, pipe.get_stage_module(self.plan.stage))
@@ -79,21 +92,28 @@ class ParallelModel:
 
         Returns this rank's mean loss over its batch (None on pipeline stages without the loss).
         """
+        try:
+            return self._train_step(inputs, targets)
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            raise e.inner_exception from None  # gradsched's own error, not Dynamo's wrapper
+
+    def _train_step(self, inputs, targets):
         m = self.options.microbatches
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={m}.")
+        inputs, targets = self._shard_sequence(inputs, targets)
         if self.plan.pp == 1:
             total = 0.0
-            for x, y in zip(inputs.chunk(m), targets.chunk(m)):
-                loss = self.loss_fn(self.module(x), y) / m
+            for x, y in zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m)):
+                loss = self.loss_fn(self.module(*x), y) / m
                 loss.backward()
                 total += loss.detach()
             return total
         if self.module is None:
-            self._build_pipeline(inputs.chunk(m)[0])
+            self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
         first, last = self.plan.stage == 0, self.plan.stage == self.plan.pp - 1
         losses = []
-        self.schedule.step(*((inputs,) if first else ()), **({"target": targets, "losses": losses} if last else {}))
+        self.schedule.step(*(inputs if first else ()), **({"target": targets, "losses": losses} if last else {}))
         self.grad_sync.flush()
         return sum(loss.detach() for loss in losses) if last else None
 

@@ -18,6 +18,7 @@ from .tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 class Job:
     pp: int = 2
     dp: int = 2
+    cp: int = 1
     steps: int = 3
     global_batch: int = 8
     lr: float = 1e-3  # a small GPT's usual rate; Adam scales rounding noise of near-zero gradients by lr
@@ -26,6 +27,10 @@ class Job:
     split_points: tuple = ("blocks.1",)
     schedule: str = "auto"
     options: dict = field(default_factory=lambda: {"compiler": "eager"})
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp
     rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
     ties: list | None = None  # explicit tie declaration (override); None: discover
     capture_code: bool = False  # return the code Inductor generates during the first step
@@ -57,14 +62,14 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     """One rank of the parallel run; returns what it ends with (see keys)."""
     import gradsched
 
-    plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
+    plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp, cp=job.cp)
     torch.manual_seed(job.seed)
     opts = {**job.options, **job.rank_options.get(rank, {})}
     model = gradsched.parallelize(TinyGPT(job.config), plan=plan, loss_fn=lm_loss,
                                   split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
-    _, dp_idx, _ = plan.coords()
+    _, dp_idx, cp_idx = plan.coords()
     per_rank = job.global_batch // job.dp
     losses, times, code = [], [], []
     for step in range(job.steps):
@@ -82,7 +87,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         losses.append(None if loss is None else float(loss))
     sync = model.grad_sync
     return {
-        "rank": rank, "stage": plan.stage, "dp_idx": dp_idx,
+        "rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "cp_idx": cp_idx,
         "losses": losses, "step_times": times,
         "params": {n: p.detach().clone() for n, p in sync.state.params.items()},
         "ties": [t.members for t in sync.ties.values()],
@@ -111,7 +116,8 @@ def compare(ref: dict, ranks: list[dict]) -> dict:
     for r in ranks:
         for members in r["ties"]:
             for other in ranks:
-                if other["dp_idx"] == r["dp_idx"] and other["stage"] != r["stage"]:
+                same_slot = (other["dp_idx"], other.get("cp_idx", 0)) == (r["dp_idx"], r.get("cp_idx", 0))
+                if same_slot and other["stage"] != r["stage"]:
                     mine = dict(members).get(r["stage"])
                     theirs = dict(members).get(other["stage"])
                     if mine and theirs:

@@ -59,8 +59,10 @@ class TinyGPT(nn.Module):
         if isinstance(m, nn.Linear) and m.bias is not None:
             nn.init.zeros_(m.bias)
 
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+    def forward(self, idx, pos=None):
+        # pos: token positions; context parallelism passes each rank's own (non-contiguous) ones
+        pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+        x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.ln_f(x))

@@ -12,7 +12,7 @@ TOL = 1e-5
 
 
 def train(job: Job):
-    ranks = run_ranks(rank_main, job.pp * job.dp, job, timeout_s=300)
+    ranks = run_ranks(rank_main, job.world, job, timeout_s=300)
     ref = reference(job)
     return ref, ranks, compare(ref, ranks)
 
