@@ -74,8 +74,13 @@ class ParallelModel:
 
     def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
-        pipe = pipeline(self.model, mb_args=microbatch,
-                        split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
+        # Trace under no_grad: a module whose forward is itself decorated with no_grad (HF's
+        # rotary embedding) otherwise becomes a wrap_with_set_grad_enabled op that export's
+        # unflattener turns into a call with no arguments. The stages still run under
+        # autograd; only the trace is affected.
+        with torch.no_grad():
+            pipe = pipeline(self.model, mb_args=microbatch,
+                            split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         self._build(ties, pipe.get_stage_module(self.plan.stage))
         stage = PipelineStage(self.module, self.plan.stage, self.plan.pp, torch.device("cpu"),

@@ -91,9 +91,17 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
 
 # ---- the schedule: which block a rank computes at each ring step ----------------------
 
+FORWARD_WINDOW = 3
+"""Ring steps whose K/V one forward kernel call covers (per local row chunk)."""
+BACKWARD_WINDOW = 2
+"""Ring steps a backward call may cover; dK/dV travel one step behind K/V to allow it."""
+KV_TILE = 512
+"""Keys per tile of the CPU flash kernel (kvSplitSize): backward calls are packed up to it."""
+
+
 @dataclass(frozen=True)
 class Block:
-    """What one rank computes at one ring step.
+    """What one rank computes at one ring step (the step-level view of the schedule).
 
     rows: None for all local rows, 1 for the late local chunk only.
     keys: None for all of the visiting K/V, 0 for its early chunk only.
@@ -135,36 +143,63 @@ class _Ring:
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
         return dtype if self.accumulate == "input" else torch.float32
 
-    def block(self, step: int) -> Block | None:
-        if self.cp == 1:
-            return Block(None, None, self.causal)
-        return ring_block(self.rank, self.cp, step, self.causal, self.load_balance)
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        """Sequence positions (chunk indices) of rank's local chunks, in local order."""
+        return (rank, 2 * self.cp - 1 - rank) if self.parts == 2 else (rank,)
+
+    def visible(self, qid: int, src: int) -> list[tuple[int, int, bool]]:
+        """What local row chunk `qid` sees of src's K/V: [(chunk index in the K/V, its
+        position, diagonal)]. Same blocks as `ring_block`, cut per row chunk."""
+        seen = []
+        for j, kid in enumerate(self.chunks(src)):
+            if not self.causal or kid < qid:
+                seen.append((j, kid, False))
+            elif kid == qid:
+                seen.append((j, kid, True))
+        return seen
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One visible K/V chunk of one ring step."""
+    step: int
+    k: torch.Tensor  # the step's whole visiting K (and V), [B, Hkv, L, D]
+    v: torch.Tensor
+    index: int       # which of its `parts` chunks
+    pos: int         # its position in the sequence (orders keys; the diagonal is last)
+    diag: bool
+
+
+def _pieces(ring: _Ring, qid: int, window) -> list[list[_Piece]]:
+    """Per step of `window` ([(step, src, k, v)]), the pieces row chunk `qid` sees."""
+    return [[_Piece(step, k, v, j, kid, diag) for j, kid, diag in ring.visible(qid, src)]
+            for step, src, k, v in window]
 
 
 # ---- block kernels ----------------------------------------------------------------------
 
-def _attend(q, k, v, causal: bool, scale: float):
+def _attend(q, k, v, causal: bool, scale: float, mask=None):
     """One block: (out in q's dtype, LSE float32 [B, H, Lq]). Causal only for square blocks."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, scale=scale)
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
     # NOTE: the CUDA path (memory-efficient kernel: every dtype, returns LSE) has not been
     # run on a GPU yet; its LSE comes padded to a multiple of 32 rows.
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        q, k, v, mask, True, 0.0, causal, scale=scale)[:2]
     return out, lse[..., : q.shape[2]].contiguous()
 
 
-def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float):
+def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
     """Gradients (dq, dk, dv) of one block, given the merged out and LSE of its rows."""
     if q.device.type == "cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=None, scale=scale)
+            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
     rows = q.shape[2]
     lse = torch.nn.functional.pad(lse, (0, -rows % 32))
     seed = torch.zeros((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
+        dout, q, k, v, mask, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
         scale=scale)
     return dq, dk, dv
 
@@ -202,35 +237,56 @@ def merge_block(out, lse, block_out, block_lse, dtype: torch.dtype):
     return out * w_run + block_out * w_blk, joint
 
 
-def _late(x, parts: int):
-    return x.chunk(parts, dim=2)[-1].contiguous()
-
-
 def _operands(ring: _Ring, *xs):
     if ring.accumulate == "fp32_blocks":
         return tuple(x.float() for x in xs)
     return xs
 
 
-def _forward_step(state: list, q, q_late, k, v, block: Block, ring: _Ring) -> None:
-    """Attend the rows `block` names to one visiting K/V slice; merge into `state` in place.
+def _keys(pieces: list[_Piece], ring: _Ring, rows: int, dtype: torch.dtype):
+    """One kernel call's K, V (pieces in sequence order), is_causal and attn_mask.
 
-    state: per local row chunk, [out, lse] (None before the first block).
+    Only the row chunk's own (diagonal) chunk is causal, and it comes last: with it
+    alone the block is a causal square; with others before it, causal aligned to the
+    bottom right (the CPU kernel's is_causal is top-left aligned), given as a mask.
     """
-    if block.keys is not None:
-        k, v = k.chunk(2, dim=2)[block.keys], v.chunk(2, dim=2)[block.keys]
-    rows = q if block.rows is None else q_late
-    rows, k, v = _operands(ring, rows, k, v)
-    heads = q.shape[1]
-    out, lse = _attend(rows, _expand_heads(k, heads), _expand_heads(v, heads), block.causal,
-                       ring.scale)
-    dtype = ring.acc_dtype(q.dtype)
-    if block.rows is None:
-        pieces = zip(out.chunk(ring.parts, dim=2), lse.chunk(ring.parts, dim=2), state)
-    else:
-        pieces = [(out, lse, state[block.rows])]
-    for o, l, s in pieces:
-        s[0], s[1] = merge_block(s[0], s[1], o, l, dtype)
+    ks = [p.k.chunk(ring.parts, dim=2)[p.index] for p in pieces]
+    vs = [p.v.chunk(ring.parts, dim=2)[p.index] for p in pieces]
+    k, v = (ks[0], vs[0]) if len(pieces) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))
+    k, v = _operands(ring, k, v)
+    if not pieces[-1].diag:
+        return k, v, False, None
+    if len(pieces) == 1:
+        return k, v, True, None
+    n = k.shape[2]
+    hidden = torch.ones(rows, n, dtype=torch.bool, device=k.device).triu(n - rows + 1)
+    mask = torch.zeros(rows, n, dtype=dtype, device=k.device).masked_fill(hidden, float("-inf"))
+    return k, v, False, mask
+
+
+def _forward_window(state: list, rows: list, window, ring: _Ring) -> None:
+    """Attend every local row chunk to what it sees of the window's K/V in ONE kernel
+    call, and merge that into `state` ([out, lse] per row chunk) in place.
+
+    One call instead of one per step: the kernel rounds its output to the input dtype
+    once per call, so each call a row spans adds one rounding ("fp32" mode); a row that
+    one call covers whole is as accurate as the kernel over the whole sequence.
+    """
+    heads = rows[0].shape[1]
+    for p, (qid, q) in enumerate(zip(ring.chunks(ring.rank), rows)):
+        pieces = sorted((x for step in _pieces(ring, qid, window) for x in step), key=lambda x: x.pos)
+        if not pieces:
+            continue
+        (q,) = _operands(ring, q)
+        k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
+        out, lse = _attend(q, _expand_heads(k, heads), _expand_heads(v, heads), causal,
+                           ring.scale, mask)
+        state[p][0], state[p][1] = merge_block(state[p][0], state[p][1], out, lse,
+                                               ring.acc_dtype(rows[0].dtype))
+
+
+def _row_chunks(x, parts: int) -> list:
+    return [c.contiguous() for c in x.chunk(parts, dim=2)] if parts > 1 else [x]
 
 
 def _finish_forward(state: list, dtype: torch.dtype, ring: _Ring):
@@ -241,50 +297,59 @@ def _finish_forward(state: list, dtype: torch.dtype, ring: _Ring):
     return final, lse, (out if ring.accumulate == "fp32_blocks" else final)
 
 
-@dataclass
-class _Rows:
-    """A rank's saved rows for backward: all of them, and the late chunk alone."""
-    q: torch.Tensor
-    out: torch.Tensor
-    dout: torch.Tensor
-    lse: torch.Tensor
-    late: tuple | None
-
-    @classmethod
-    def of(cls, ring: _Ring, q, out, dout, lse) -> "_Rows":
-        q, out, dout = _operands(ring, q, out, dout)
-        dout = dout.contiguous()
-        late = None
-        if ring.parts > 1:
-            late = tuple(_late(x, ring.parts) for x in (q, out, dout, lse))
-        return cls(q, out, dout, lse, late)
+def _rows_for_backward(ring: _Ring, q, out, dout, lse) -> list[tuple]:
+    """Per local row chunk: (q, out, dout, lse), operands in the block dtype."""
+    q, out, dout = _operands(ring, q, out, dout)
+    return list(zip(*(_row_chunks(x, ring.parts) for x in (q, out, dout.contiguous(), lse))))
 
 
-def _backward_step(dq, rows: _Rows, k, v, block: Block, ring: _Ring):
-    """One block's gradients: dq added into `dq` in place; returns (dk, dv) over kv heads."""
-    kb, vb = k, v
-    if block.keys is not None:
-        kb, vb = k.chunk(2, dim=2)[block.keys], v.chunk(2, dim=2)[block.keys]
-    q, out, dout, lse = (rows.q, rows.out, rows.dout, rows.lse) if block.rows is None else rows.late
-    kb, vb = _operands(ring, kb, vb)
-    heads = q.shape[1]
-    gq, gk, gv = _attend_backward(dout, q, _expand_heads(kb, heads), _expand_heads(vb, heads),
-                                  out, lse, block.causal, ring.scale)
-    if block.rows is None:
-        dq += gq
-    else:
-        dq.chunk(ring.parts, dim=2)[block.rows].add_(gq)
-    dtype = dq.dtype
-    return _reduce_heads(gk, k.shape[1], dtype), _reduce_heads(gv, v.shape[1], dtype)
+def _calls(blocks: list[list[_Piece]], chunk_len: int) -> list[list[_Piece]]:
+    """Consecutive steps' pieces packed into backward calls of at most KV_TILE keys.
+
+    The CPU kernel adds each KV tile's dq into its output in the input dtype, so a
+    call of up to one tile rounds a row's dq once, and the same keys split over two
+    calls round it twice; past one tile the kernel's running sum in the input dtype
+    is worse than ours in fp32, so calls are never packed beyond a tile.
+    """
+    calls, cur = [], []
+    for block in blocks:
+        if not block:
+            continue
+        if cur and (len(cur) + len(block)) * chunk_len > KV_TILE:
+            calls.append(cur)
+            cur = []
+        cur = cur + block
+    if cur:
+        calls.append(cur)
+    return calls
 
 
-def _add_kv_grad(dkv, dk, dv, block: Block, kshape, vshape) -> None:
-    """Add one block's (dk, dv) into a flat [dk | dv] accumulator, in place."""
-    gk, gv = _unflat(dkv, kshape, vshape)
-    if block.keys is not None:
-        gk, gv = gk.chunk(2, dim=2)[block.keys], gv.chunk(2, dim=2)[block.keys]
-    gk.add_(dk)
-    gv.add_(dv)
+def _backward_window(dq: list, rows: list, window, grads: dict, ring: _Ring, kshape, vshape):
+    """Gradients of every block of the window: dq added into `dq` (per row chunk) in
+    place, dk/dv into `grads[step]` (a flat [dk | dv] for the step's K/V, created here)."""
+    heads = rows[0][0].shape[1]
+    dtype = dq[0].dtype
+    for p, (qid, (q, out, dout, lse)) in enumerate(zip(ring.chunks(ring.rank), rows)):
+        for call in _calls(_pieces(ring, qid, window), kshape[2] // ring.parts):
+            pieces = sorted(call, key=lambda x: x.pos)
+            k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
+            gq, gk, gv = _attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
+                                          out, lse, causal, ring.scale, mask)
+            dq[p] += gq
+            gk = _reduce_heads(gk, kshape[1], dtype).split(kshape[2] // ring.parts, dim=2)
+            gv = _reduce_heads(gv, vshape[1], dtype).split(vshape[2] // ring.parts, dim=2)
+            for piece, dk, dv in zip(pieces, gk, gv):
+                if piece.step not in grads:
+                    grads[piece.step] = torch.zeros(math.prod(kshape) + math.prod(vshape),
+                                                    dtype=dtype, device=q.device)
+                gk_all, gv_all = _unflat(grads[piece.step], kshape, vshape)
+                gk_all.chunk(ring.parts, dim=2)[piece.index].add_(dk)
+                gv_all.chunk(ring.parts, dim=2)[piece.index].add_(dv)
+
+
+def _window_ends(cp: int, size: int) -> set[int]:
+    """Steps after which a window of `size` steps is computed (the last step ends one)."""
+    return {s for s in range(cp) if s % size == size - 1 or s == cp - 1}
 
 
 def _flat(k, v):
@@ -320,65 +385,83 @@ def _all_gather(flat, ring: _Ring):
 # ---- the ring on one rank -------------------------------------------------------------
 
 def _ring_forward(q, k, v, ring: _Ring):
-    q_late = _late(q, ring.parts) if ring.parts > 1 else None
+    rows = _row_chunks(q, ring.parts)
     state = [[None, None] for _ in range(ring.parts)]
     kv = _flat(k, v)
     gathered = _all_gather(kv, ring) if ring.comm == "allgather" and ring.cp > 1 else None
-    pending = None
+    ends = _window_ends(ring.cp, FORWARD_WINDOW)
+    pending, window = None, []
     for step in range(ring.cp):
+        src = (ring.rank - step) % ring.cp
         if gathered is not None:
-            kv = gathered[(ring.rank - step) % ring.cp]
+            kv = gathered[src]
         else:
             if step > 0:
                 kv = _wait(pending)
             if step < ring.cp - 1:
                 pending = _send_to_next(kv, ring)  # in flight while this step computes
-        block = ring.block(step)
-        if block is not None:
-            ks, vs = _unflat(kv, k.shape, v.shape)
-            _forward_step(state, q, q_late, ks, vs, block, ring)
+        window.append((step, src, *_unflat(kv, k.shape, v.shape)))
+        if step in ends:
+            _forward_window(state, rows, window, ring)
+            window = []
     return _finish_forward(state, q.dtype, ring)
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
-    rows = _Rows.of(ring, q, out, dout, lse)
+    """The backward ring. K/V travel as in forward; a window of BACKWARD_WINDOW (2) steps
+    is computed at its end, so the dK/dV of the K/V held at step t are complete one step
+    later: every rank sends them on at step t+1 (rank r+1 holds that K/V at step t+1 and
+    completes its share at step t+2). Same collectives, in the same order, on every rank.
+    """
+    rows = _rows_for_backward(ring, q, out, dout, lse)
     dtype = ring.acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dq = [torch.zeros(r[0].shape, dtype=dtype, device=q.device) for r in rows]
     kv = _flat(k, v)
     allgather = ring.comm == "allgather" and ring.cp > 1
     if allgather:
         gathered = _all_gather(kv, ring)
         dkv_all = torch.zeros((ring.cp, kv.numel()), dtype=dtype, device=q.device)
+    ends = _window_ends(ring.cp, BACKWARD_WINDOW)
     pending_kv = pending_dkv = None
-    for step in range(ring.cp):
-        src = (ring.rank - step) % ring.cp
+    grads, window = {}, []
+    for step in range(ring.cp + 1):
+        if step < ring.cp:
+            src = (ring.rank - step) % ring.cp
+            if allgather:
+                kv = gathered[src]
+            else:
+                if step > 0:
+                    kv = _wait(pending_kv)
+                if step < ring.cp - 1:
+                    pending_kv = _send_to_next(kv, ring)
+            window.append((step, src, *_unflat(kv, k.shape, v.shape)))
+            if step in ends:
+                _backward_window(dq, rows, window, grads, ring, k.shape, v.shape)
+                window = []
+        if step == 0 or ring.cp == 1:
+            continue
+        done, mine = step - 1, grads.pop(step - 1, None)  # the K/V held at step - 1
         if allgather:
-            kv = gathered[src]
-        else:
-            if step > 0:
-                kv = _wait(pending_kv)
-            if step < ring.cp - 1:
-                pending_kv = _send_to_next(kv, ring)
-        block = ring.block(step)
-        grads = None
-        if block is not None:
-            ks, vs = _unflat(kv, k.shape, v.shape)
-            grads = _backward_step(dq, rows, ks, vs, block, ring)
-        if allgather:
-            dkv = dkv_all[src]
-        elif step == 0:
-            dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
-        else:  # src's dK/dV as summed by the ranks before this one
+            if mine is not None:
+                dkv_all[(ring.rank - done) % ring.cp] += mine
+            continue
+        if done == 0:  # our own K/V: its dK/dV starts here
+            dkv = mine if mine is not None else torch.zeros(kv.numel(), dtype=dtype, device=q.device)
+        else:  # as summed by the ranks before this one
             dkv = _wait(pending_dkv)
-        if grads is not None:
-            _add_kv_grad(dkv, *grads, block, k.shape, v.shape)
-        if not allgather and ring.cp > 1:
-            pending_dkv = _send_to_next(dkv, ring)
+            if mine is not None:
+                dkv = dkv + mine
+        pending_dkv = _send_to_next(dkv, ring)
     if allgather:
         dkv = _wait(_c10d.reduce_scatter_tensor(dkv_all.view(-1), "sum", ring.cp, ring.group_name))
     elif ring.cp > 1:
         dkv = _wait(pending_dkv)  # our own K/V's gradient, back from the last rank
+    else:
+        dkv = grads.pop(0, None)
+        if dkv is None:
+            dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
     dk, dv = _unflat(dkv, k.shape, v.shape)
+    dq = torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -444,6 +527,17 @@ class SimResult:
     dv: torch.Tensor | None = None
 
 
+def _windows(ring: _Ring, size: int, ks, vs):
+    """The ring's windows of `size` steps on one rank: lists of (step, src, k, v)."""
+    window = []
+    for step in range(ring.cp):
+        src = (ring.rank - step) % ring.cp
+        window.append((step, src, ks[src], vs[src]))
+        if step in _window_ends(ring.cp, size):
+            yield window
+            window = []
+
+
 def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp32", *,
                   scale: float | None = None, load_balance: bool = True,
                   grad_out: torch.Tensor | None = None) -> SimResult:
@@ -469,15 +563,13 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
         return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
 
     qs, ks, vs = cut(q), cut(k), cut(v)
-    lates = [_late(x, rings[0].parts) if rings[0].parts > 1 else None for x in qs]
-    states = [[[None, None] for _ in range(rings[0].parts)] for _ in range(cp)]
-    for step in range(cp):
-        for r, ring in enumerate(rings):
-            block = ring.block(step)
-            if block is not None:
-                src = (r - step) % cp
-                _forward_step(states[r], qs[r], lates[r], ks[src], vs[src], block, ring)
-    finished = [_finish_forward(states[r], q.dtype, rings[r]) for r in range(cp)]
+    finished = []
+    for r, ring in enumerate(rings):
+        rows = _row_chunks(qs[r], ring.parts)
+        state = [[None, None] for _ in range(ring.parts)]
+        for window in _windows(ring, FORWARD_WINDOW, ks, vs):
+            _forward_window(state, rows, window, ring)
+        finished.append(_finish_forward(state, q.dtype, ring))
     result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
                        unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
     if grad_out is None:
@@ -485,18 +577,24 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
 
     douts = cut(grad_out)
     dtype = rings[0].acc_dtype(q.dtype)
-    rows = [_Rows.of(rings[r], qs[r], finished[r][2], douts[r], finished[r][1]) for r in range(cp)]
-    dqs = [torch.zeros(x.shape, dtype=dtype, device=x.device) for x in qs]
-    dkvs = [torch.zeros(ks[r].numel() + vs[r].numel(), dtype=dtype, device=q.device)
-            for r in range(cp)]
     kshape, vshape = ks[0].shape, vs[0].shape
-    for step in range(cp):
-        for r, ring in enumerate(rings):
-            block = ring.block(step)
-            if block is not None:
-                src = (r - step) % cp
-                grads = _backward_step(dqs[r], rows[r], ks[src], vs[src], block, ring)
-                _add_kv_grad(dkvs[src], *grads, block, kshape, vshape)
+    dqs, grads = [], []  # grads[r][step]: rank r's dK/dV for the K/V it holds at step
+    for r, ring in enumerate(rings):
+        rows = _rows_for_backward(ring, qs[r], finished[r][2], douts[r], finished[r][1])
+        dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows]
+        grads.append({})
+        for window in _windows(ring, BACKWARD_WINDOW, ks, vs):
+            _backward_window(dq, rows, window, grads[r], ring, kshape, vshape)
+        dqs.append(torch.cat(dq, dim=2) if len(dq) > 1 else dq[0])
+    dkvs = []
+    for src in range(cp):  # summed in ring order, starting at the owner, as the ring does
+        dkv = None
+        for step in range(cp):
+            mine = grads[(src + step) % cp].get(step)
+            if mine is not None:
+                dkv = mine if dkv is None else dkv + mine
+        dkvs.append(dkv if dkv is not None else
+                    torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device))
     dks, dvs = zip(*(_unflat(d, kshape, vshape) for d in dkvs))
     result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
     result.dk = unshard([d.to(k.dtype) for d in dks], cp, dim=2, load_balance=load_balance)

@@ -107,7 +107,11 @@ class GradSync:
         layout = plan_buckets(ready, bucket_mb=self.options.bucket_mb, shards=len(self.plan.group_ranks("grad")),
                               reduce_dtype=self.options.reduce_dtype,
                               ties={n: t.key for n, t in self.ties.items()},
-                              align_ties=self.options.mode == "shard_aligned")
+                              # a bucket of its own for each tied gradient: shard_aligned needs it for
+                              # correctness; tied_first for bitwise-equal copies (the reduce-scatter
+                              # then sums every copy's elements in the same order). unsafe_rs_first
+                              # keeps ready order, where #844 bites.
+                              align_ties=self.options.mode != "unsafe_rs_first")
         self.state = StageSync(ready, layout, params)
         if self.options.shard:
             mark_sharded(params.values())

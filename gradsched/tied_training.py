@@ -24,6 +24,7 @@ class Job:
     lr: float = 1e-3  # a small GPT's usual rate; Adam scales rounding noise of near-zero gradients by lr
     seed: int = 0
     config: GPTConfig = field(default_factory=GPTConfig)
+    model: str = "tiny_gpt"  # or a name in gradsched.hf.MODELS (Hugging Face)
     split_points: tuple = ("blocks.1",)
     schedule: str = "auto"
     options: dict = field(default_factory=lambda: {"compiler": "eager"})
@@ -36,14 +37,23 @@ class Job:
     capture_code: bool = False  # return the code Inductor generates during the first step
 
 
+def build_model(job: Job):
+    """(model, split points) with the job's seed: the same weights in every process."""
+    torch.manual_seed(job.seed)
+    if job.model == "tiny_gpt":
+        return TinyGPT(job.config), list(job.split_points)
+    from .hf import MODELS
+    c = job.config
+    return MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
+
+
 def optimizer_kwargs(job: Job) -> dict:
     return {"lr": job.lr, "weight_decay": 0.1}
 
 
 def reference(job: Job) -> dict:
     """Unsplit model, one process: losses per step and every parameter by every name it has."""
-    torch.manual_seed(job.seed)
-    model = TinyGPT(job.config)
+    model, _ = build_model(job)
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
     losses = []
     for step in range(job.steps):
@@ -63,10 +73,10 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     import gradsched
 
     plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp, cp=job.cp)
-    torch.manual_seed(job.seed)
     opts = {**job.options, **job.rank_options.get(rank, {})}
-    model = gradsched.parallelize(TinyGPT(job.config), plan=plan, loss_fn=lm_loss,
-                                  split_points=job.split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
+    model, split_points = build_model(job)
+    model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss,
+                                  split_points=split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
     _, dp_idx, cp_idx = plan.coords()

@@ -8,7 +8,9 @@ With `align_ties`, a tied gradient gets a bucket of its own, of size
 round_up(numel, shards): a size that depends only on the weight and the DP
 size, so every stage holding a copy shards it identically and each rank owns
 exactly 1/shards of it, which is what shard-aligned mode needs (the verifier
-still checks it rather than trusting this).
+still checks it rather than trusting this). It also makes every copy's
+reduce-scatter sum each element in the same order, so copies that start equal
+stay bitwise equal.
 """
 from __future__ import annotations
 

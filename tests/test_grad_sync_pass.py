@@ -144,3 +144,29 @@ def test_ready_order_follows_the_nodes_that_produce_each_gradient():
     gm = fx.GraphModule(torch.nn.Module(), g)
     order = grad_ready_order(gm, {0: "early_out", 1: "late_out"})
     assert [s.name for s in order] == ["late_out", "early_out"]
+
+
+def test_bf16_gradients_are_reduced_in_fp32_when_asked():
+    g, fake = fx.Graph(), FakeTensorMode()
+    phs = []
+    for name in ("a", "b"):
+        ph = g.placeholder(name)
+        ph.meta["val"] = fake.from_tensor(torch.empty(6, dtype=torch.bfloat16))
+        phs.append(ph)
+    g.output(tuple(phs))
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    ready = grad_ready_order(gm, {0: "a", 1: "b"})
+    layout = plan_buckets(ready, bucket_mb=1.0, shards=2, reduce_dtype=torch.float32)
+    insert_grad_sync(gm, SyncSpec(layout, {"a": 0, "b": 1}, group="dp", group_size=2, shard_rank=0))
+    (rs,) = [n for n in gm.graph.nodes if is_collective(n)]
+    assert rs.args[0].meta["val"].dtype == torch.float32
+    assert gm.graph.output_node().args[0][2].meta["val"].dtype == torch.float32  # the fp32 shard
+
+
+@pytest.mark.parametrize("average,scaled", [(True, True), (False, False)])
+def test_average_scales_the_bucket_by_one_over_the_group_and_sum_does_not(average, scaled):
+    gm = grads_graph({"a": (4,)})
+    layout = plan_buckets(grad_ready_order(gm, {0: "a"}), bucket_mb=1.0, shards=4)
+    insert_grad_sync(gm, SyncSpec(layout, {"a": 0}, group="dp", group_size=4, shard_rank=0, average=average))
+    muls = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor]
+    assert [m.args[1] for m in muls] == ([0.25] if scaled else [])
