@@ -25,6 +25,8 @@ class Job:
     seed: int = 0
     config: GPTConfig = field(default_factory=GPTConfig)
     model: str = "tiny_gpt"  # or a name in gradsched.hf.MODELS (Hugging Face)
+    dtype: str = "float32"  # the parallel run's parameter dtype; the reference is always fp32
+    data_batches: int = 0  # 0: a fresh random batch each step; k: cycle over k fixed batches
     split_points: tuple = ("blocks.1",)
     schedule: str = "auto"
     options: dict = field(default_factory=lambda: {"compiler": "eager"})
@@ -35,6 +37,11 @@ class Job:
     rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
     ties: list | None = None  # explicit tie declaration (override); None: discover
     capture_code: bool = False  # return the code Inductor generates during the first step
+
+
+def batch(job: Job, step: int):
+    k = step % job.data_batches if job.data_batches else step
+    return make_batch(job.global_batch, job.config, seed=job.seed + 1 + k)
 
 
 def build_model(job: Job):
@@ -57,7 +64,7 @@ def reference(job: Job) -> dict:
     opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
     losses = []
     for step in range(job.steps):
-        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        x, y = batch(job, step)
         loss = lm_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -75,7 +82,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp, cp=job.cp)
     opts = {**job.options, **job.rank_options.get(rank, {})}
     model, split_points = build_model(job)
-    model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss,
+    model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=lm_loss,
                                   split_points=split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
@@ -83,7 +90,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     per_rank = job.global_batch // job.dp
     losses, times, code = [], [], []
     for step in range(job.steps):
-        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
+        x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
         t0 = time.perf_counter()
         if job.capture_code and step == 0:

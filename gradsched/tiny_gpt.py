@@ -69,7 +69,7 @@ class TinyGPT(nn.Module):
 
 
 def lm_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # fp32 loss, as usual in bf16
 
 
 def make_batch(n: int, c: GPTConfig, seed: int = 0):

@@ -1,8 +1,8 @@
-"""Train the tiny tied GPT under torchrun (one node or many): the README's torchrun example.
+"""Train a tied GPT (tiny, or Hugging Face GPT-2 / Llama) under torchrun: the README's example.
 
-    torchrun --nproc-per-node 4 -m gradsched.train --pp 2
+    torchrun --nproc-per-node 8 -m gradsched.train --model hf_llama --pp 2 --cp 2
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
-        -m gradsched.train --pp 2 --microbatches 4
+        -m gradsched.train --model hf_gpt2 --pp 2 --cp 2 --microbatches 4
 
 The plan is built from torchrun's environment; dp is whatever is left of the world.
 """
@@ -20,7 +20,9 @@ from gradsched.tied_training import Job, rank_main
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny_gpt", choices=("tiny_gpt", "hf_gpt2", "hf_llama"))
     ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--cp", type=int, default=1)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--mode", default="tied_first", choices=("tied_first", "shard_aligned"))
@@ -29,8 +31,9 @@ def main(argv=None) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     init_from_env()
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp = world // args.pp
-    job = Job(pp=args.pp, dp=dp, steps=args.steps, global_batch=4 * dp * args.microbatches,
+    dp = world // (args.pp * args.cp)
+    job = Job(model=args.model, pp=args.pp, dp=dp, cp=args.cp, steps=args.steps,
+              global_batch=4 * dp * args.microbatches,
               options={"compiler": args.compiler, "mode": args.mode, "microbatches": args.microbatches})
     out = rank_main(rank, world, job)
     if out["losses"][0] is not None and out["dp_idx"] == 0:
