@@ -82,16 +82,20 @@ def _plot(curves, reference_losses, args, path):
     except ImportError:
         print("[train_parity] matplotlib not installed (pip install .[bench]): no plot", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, dx) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
     steps = range(1, len(reference_losses) + 1)
     ax.plot(steps, reference_losses, "k-", lw=2.5, label="one process, fp32 (reference)")
     for acc, losses in curves.items():
-        ax.plot(steps, losses, "--", label=f"pp{args.pp} x dp{args.dp} x cp{args.cp}, {args.dtype}, "
-                                          f"accumulate={acc}")
-    ax.set_xlabel("step")
+        label = f"pp{args.pp} x dp{args.dp} x cp{args.cp}, {args.dtype}, accumulate={acc}"
+        ax.plot(steps, losses, "--", label=label)
+        dx.semilogy(steps, [abs(a - b) / abs(b) or float("nan") for a, b in zip(losses, reference_losses)],
+                    ".-", label=f"accumulate={acc}")
     ax.set_ylabel("loss")
     ax.set_title(f"{args.model}: parallel vs single-process training")
     ax.legend()
+    dx.set_xlabel("step")
+    dx.set_ylabel("|loss - reference| / reference")
+    dx.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"[train_parity] plot {path}", file=sys.stderr)

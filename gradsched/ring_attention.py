@@ -158,6 +158,10 @@ class _Ring:
                 seen.append((j, kid, True))
         return seen
 
+    def seen(self, qid: int) -> int:
+        """How many K/V chunks row chunk `qid` sees over the whole ring."""
+        return sum(len(self.visible(qid, src)) for src in range(self.cp))
+
 
 @dataclass(frozen=True)
 class _Piece:
@@ -264,25 +268,58 @@ def _keys(pieces: list[_Piece], ring: _Ring, rows: int, dtype: torch.dtype):
     return k, v, False, mask
 
 
-def _forward_window(state: list, rows: list, window, ring: _Ring) -> None:
-    """Attend every local row chunk to what it sees of the window's K/V in ONE kernel
-    call, and merge that into `state` ([out, lse] per row chunk) in place.
+def _calls(ring: _Ring, qid: int, window, rounded: bool, limit: int | None = None):
+    """The kernel calls of row chunk `qid` over `window`: lists of pieces, in sequence order.
 
-    One call instead of one per step: the kernel rounds its output to the input dtype
-    once per call, so each call a row spans adds one rounding ("fp32" mode); a row that
-    one call covers whole is as accurate as the kernel over the whole sequence.
+    Each call a row spans costs one more rounding of its result to the input dtype (the
+    block out in forward, the block dq in backward) when the kernel runs in a reduced
+    dtype (`rounded`); a row chunk that ONE call covers whole is as accurate as the kernel
+    over the whole sequence. So when the window holds every chunk the row chunk sees (and
+    they fit `limit` keys), they go into one call, with a bottom-right causal mask if its
+    diagonal chunk is among them. Otherwise nothing is gained by joining the diagonal to
+    the others (the rows span two calls or more either way), and it gets its own causal
+    call, without a mask; the fully visible chunks of the window share calls of at most
+    `limit` keys (forward: no limit), consecutive steps together.
     """
-    heads = rows[0].shape[1]
-    for p, (qid, q) in enumerate(zip(ring.chunks(ring.rank), rows)):
-        pieces = sorted((x for step in _pieces(ring, qid, window) for x in step), key=lambda x: x.pos)
-        if not pieces:
+    blocks = _pieces(ring, qid, window)
+    pieces = [p for block in blocks for p in block]
+    if not pieces:
+        return []
+    chunk = pieces[0].k.shape[2] // ring.parts
+    if rounded and len(pieces) == ring.seen(qid) and (limit is None or len(pieces) * chunk <= limit):
+        return [sorted(pieces, key=lambda p: p.pos)]
+    calls = [[p] for p in pieces if p.diag]
+    current = []
+    for block in blocks:
+        block = [p for p in block if not p.diag]
+        if not block:
             continue
+        if current and limit is not None and (len(current) + len(block)) * chunk > limit:
+            calls.append(sorted(current, key=lambda p: p.pos))
+            current = []
+        current = current + block
+    if current:
+        calls.append(sorted(current, key=lambda p: p.pos))
+    return calls
+
+
+def _rounded(dtype: torch.dtype) -> bool:
+    """Does a kernel in `dtype` round its results to less than fp32?"""
+    return torch.finfo(dtype).bits < 32
+
+
+def _forward_window(state: list, rows: list, window, ring: _Ring) -> None:
+    """Attend every local row chunk to what it sees of the window's K/V (see `_calls`),
+    merging into `state` ([out, lse] per row chunk) in place."""
+    heads = rows[0].shape[1]
+    dtype = ring.acc_dtype(rows[0].dtype)
+    for p, (qid, q) in enumerate(zip(ring.chunks(ring.rank), rows)):
         (q,) = _operands(ring, q)
-        k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
-        out, lse = _attend(q, _expand_heads(k, heads), _expand_heads(v, heads), causal,
-                           ring.scale, mask)
-        state[p][0], state[p][1] = merge_block(state[p][0], state[p][1], out, lse,
-                                               ring.acc_dtype(rows[0].dtype))
+        for pieces in _calls(ring, qid, window, _rounded(q.dtype)):
+            k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
+            out, lse = _attend(q, _expand_heads(k, heads), _expand_heads(v, heads), causal,
+                               ring.scale, mask)
+            state[p][0], state[p][1] = merge_block(state[p][0], state[p][1], out, lse, dtype)
 
 
 def _row_chunks(x, parts: int) -> list:
@@ -303,35 +340,15 @@ def _rows_for_backward(ring: _Ring, q, out, dout, lse) -> list[tuple]:
     return list(zip(*(_row_chunks(x, ring.parts) for x in (q, out, dout.contiguous(), lse))))
 
 
-def _calls(blocks: list[list[_Piece]], chunk_len: int) -> list[list[_Piece]]:
-    """Consecutive steps' pieces packed into backward calls of at most KV_TILE keys.
-
-    The CPU kernel adds each KV tile's dq into its output in the input dtype, so a
-    call of up to one tile rounds a row's dq once, and the same keys split over two
-    calls round it twice; past one tile the kernel's running sum in the input dtype
-    is worse than ours in fp32, so calls are never packed beyond a tile.
-    """
-    calls, cur = [], []
-    for block in blocks:
-        if not block:
-            continue
-        if cur and (len(cur) + len(block)) * chunk_len > KV_TILE:
-            calls.append(cur)
-            cur = []
-        cur = cur + block
-    if cur:
-        calls.append(cur)
-    return calls
-
-
 def _backward_window(dq: list, rows: list, window, grads: dict, ring: _Ring, kshape, vshape):
     """Gradients of every block of the window: dq added into `dq` (per row chunk) in
     place, dk/dv into `grads[step]` (a flat [dk | dv] for the step's K/V, created here)."""
     heads = rows[0][0].shape[1]
     dtype = dq[0].dtype
     for p, (qid, (q, out, dout, lse)) in enumerate(zip(ring.chunks(ring.rank), rows)):
-        for call in _calls(_pieces(ring, qid, window), kshape[2] // ring.parts):
-            pieces = sorted(call, key=lambda x: x.pos)
+        # The CPU kernel adds each KV tile's (512 keys) dq into its output in the input
+        # dtype: past one tile, its running sum is worse than ours in fp32.
+        for pieces in _calls(ring, qid, window, _rounded(q.dtype), KV_TILE):
             k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
             gq, gk, gv = _attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
                                           out, lse, causal, ring.scale, mask)

@@ -15,6 +15,7 @@ run a hazard.
 """
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -198,12 +199,11 @@ class GradSync:
         peers = {}
         if self.options.check_ranks:
             peers = fingerprint.exchange_and_check(self, st.sync_gm, layouts)
-        ties = [TieCheck(t.key, record.spec.tie_groups[t.key], record.sources[n], [layouts[t.key]] + peers.get(t.key, []))
-                for n, t in self.ties.items()]
+        ties = [TieCheck(t.key, record.spec.tie_groups[t.key], record.sources[n],
+                         [layouts[t.key]] + peers.get(t.key, [])) for n, t in self.ties.items()]
         st.verdict = verify_graph(st.sync_gm, ties, self.plan.rank)
         if self.options.dump_dir:
             os.makedirs(self.options.dump_dir, exist_ok=True)
-            import json
             with open(os.path.join(self.options.dump_dir, f"rank{self.plan.rank}.json"), "w") as f:
                 json.dump(graph_to_json(st.sync_gm, ties, self.plan.rank), f)
         if not st.verdict.ok:
