@@ -2,7 +2,7 @@
 
     python benchmarks/train_parity.py --model hf_gpt2 --dtype float32 --steps 5            # pp2 x dp2 x cp2
     python benchmarks/train_parity.py --model hf_gpt2 --dtype bfloat16 --steps 50 --pp 2 --dp 1 --cp 4 \
-        --accumulate fp32 input
+        --seq 256 --accumulate fp32 input
 
 Prints one JSON object per step ("bench": "train_parity", "model", "step", "loss",
 "loss_reference", "rel_diff", plus "accumulate" and "dtype"), then one summary object
@@ -21,6 +21,7 @@ import torch
 
 from gradsched.launch import run_ranks
 from gradsched.tied_training import Job, rank_main, reference
+from gradsched.tiny_gpt import GPTConfig
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -34,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, default=2)
     ap.add_argument("--cp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=16, help="sequence length (a multiple of 2 x cp)")
     ap.add_argument("--accumulate", nargs="+", default=["fp32"], choices=("fp32", "input", "fp32_blocks"))
     ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
     args = ap.parse_args(argv)
@@ -42,6 +44,7 @@ def main(argv=None) -> int:
     ref = None
     for acc in args.accumulate:
         job = Job(model=args.model, pp=args.pp, dp=args.dp, cp=args.cp, steps=args.steps, dtype=args.dtype,
+                  config=GPTConfig(seq=args.seq),
                   global_batch=4 * args.dp * args.microbatches, data_batches=4,
                   options={"compiler": args.compiler, "microbatches": args.microbatches, "accumulate": acc,
                            **({"reduce_dtype": torch.float32} if args.dtype != "float32" else {})})
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
             print(json.dumps(rows[-1]), flush=True)
         summary = {"bench": "train_parity", "model": args.model, "dtype": args.dtype, "accumulate": acc,
                    "summary": True, "steps": args.steps, "pp": args.pp, "dp": args.dp, "cp": args.cp,
+                   "seq": args.seq,
                    "max_rel_diff": max(diffs), "device": "cpu, gloo"}
         rows.append(summary)
         print(json.dumps(summary), flush=True)
