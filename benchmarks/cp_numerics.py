@@ -13,7 +13,11 @@ backward once per accumulation mode on the same inputs, and prints one JSON obje
                                 single-process result (TransformerEngine PR #821's metric)
 
 Targets (accumulate="fp32"): out ratio <= 1.15 and dq/dk/dv ratios <= 0.95;
-("fp32_blocks"): out ratio <= 0.70. Progress goes to stderr. The fp64 reference and the
+("fp32_blocks"): out ratio <= 0.70. The extra mode "torch_ring" runs torch's own ring
+(`_templated_ring_attention` and `_templated_ring_attention_backward`, the engine of
+torch.distributed.tensor.experimental.context_parallel) with its default options
+(fp32 merge and gradient sums, head-tail load balancing, all-gather K/V rotation) on
+the CPU flash op and the same shards, for comparison. Progress goes to stderr. The fp64 reference and the
 single-process run are computed once, in this process, before the ranks start; each
 rank builds the inputs itself from the seed.
 """
@@ -33,6 +37,7 @@ from gradsched.cp_layout import shard, unshard
 from gradsched.launch import run_ranks
 from gradsched.ring_attention import ACCUMULATE_MODES, ring_attention
 
+MODES = (*ACCUMULATE_MODES, "torch_ring")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TENSORS = ("out", "dq", "dk", "dv")
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_numerics.jsonl")
@@ -82,6 +87,37 @@ def single_process(q, k, v, dout, causal: bool):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def torch_ring_attention(q, k, v, dout, causal: bool, group=None):
+    """(out, dq, dk, dv) of torch's ring attention on this rank's shards (head-tail layout,
+    which is gradsched.cp_layout's balanced layout), with the CPU flash op.
+
+    Torch's default options; its load balancing is switched off for non-causal
+    attention only, where it refuses to run (and where the layout does not matter).
+    K/V heads are repeated for GQA (torch's ring has no GQA) and their grads summed.
+    """
+    from torch.distributed.tensor.experimental._context_parallel import _attention as tcp
+
+    group = group or dist.group.WORLD
+    aten = torch.ops.aten
+    groups = q.shape[1] // k.shape[1]
+    ke, ve = (x.repeat_interleave(groups, 1) for x in (k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    balance = tcp._cp_options.enable_load_balance
+    tcp._cp_options.enable_load_balance = balance and causal
+    try:
+        out, lse = tcp._templated_ring_attention(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu, q, ke, ve,
+            is_causal=causal, dropout_p=0.0, scale=scale)
+        dq, dk, dv = tcp._templated_ring_attention_backward(
+            group, 2, aten._scaled_dot_product_flash_attention_for_cpu_backward, dout, "grad_out",
+            q, ke, ve, out, lse, is_causal=causal, dropout_p=0.0, scale=scale)[:3]
+    finally:
+        tcp._cp_options.enable_load_balance = balance
+    if groups > 1:
+        dk, dv = (g.unflatten(1, (k.shape[1], groups)).sum(2) for g in (dk, dv))
+    return out, dq, dk, dv
+
+
 def _rank(rank: int, world: int, cfg: dict):
     torch.set_num_threads(1)
     group = dist.group.WORLD.group_name
@@ -90,12 +126,17 @@ def _rank(rank: int, world: int, cfg: dict):
     for mode in cfg["modes"]:
         ql, kl, vl = (x.clone().requires_grad_() for x in (q, k, v))
         t0 = time.perf_counter()
-        out = ring_attention(ql, kl, vl, group, causal=cfg["causal"], accumulate=mode, comm=cfg["comm"])
-        out.backward(dout)
+        if mode == "torch_ring":
+            got = torch_ring_attention(q, k, v, dout, cfg["causal"])
+        else:
+            out = ring_attention(ql, kl, vl, group, causal=cfg["causal"], accumulate=mode,
+                                 comm=cfg["comm"])
+            out.backward(dout)
+            got = (out.detach(), ql.grad, kl.grad, vl.grad)
         seconds = time.perf_counter() - t0
         if rank == 0:
             log(f"rank 0: accumulate={mode} forward+backward {seconds:.1f} s")
-        results[mode] = ((out.detach(), ql.grad, kl.grad, vl.grad), seconds)
+        results[mode] = (got, seconds)
     return results
 
 
@@ -120,7 +161,8 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--comm", choices=("ring", "allgather"), default="ring")
-    p.add_argument("--modes", default=",".join(ACCUMULATE_MODES), help="comma-separated accumulate modes")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help=f"comma-separated, from {', '.join(MODES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS, help="JSONL file for the results ('' for none)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed to the ranks")
@@ -148,7 +190,8 @@ def main(argv=None) -> list[dict]:
             rows.append({"bench": "cp_numerics", "accumulate": mode, "cp": a.cp, "tensor": name,
                          **metrics(x, s, r), "seq": a.seq, "heads": a.heads, "kv_heads": cfg["kv_heads"],
                          "dim": a.dim, "batch": a.batch, "dtype": a.dtype, "causal": a.causal,
-                         "comm": a.comm, "ring_seconds": round(seconds, 2)})
+                         "comm": "allgather (torch default)" if mode == "torch_ring" else a.comm,
+                         "ring_seconds": round(seconds, 2)})
     for row in rows:
         print(json.dumps(row), flush=True)
     if a.out:

@@ -20,6 +20,17 @@ Without load balancing (rank r holds chunk r of cp) the steps with s > r compute
 nothing, but their collectives still run: every rank issues the same collectives in
 the same order, whatever it computes.
 
+Kernel calls: the blocks above are cut per local row chunk and grouped over windows of
+ring steps (forward: FORWARD_WINDOW = 3 steps, whose K/V a rank keeps until the window
+ends; backward: 2 steps, calls of at most KV_TILE keys). With a reduced input dtype the
+kernel rounds each call's result (block out; block dq) to that dtype, one rounding per
+call a row spans; so a row chunk whose whole attention lies in one window gets ONE call
+(causal aligned to the bottom right, as a mask), which makes it as accurate as the kernel
+over the whole sequence. Elsewhere the diagonal chunk gets its own causal call and
+the fully visible chunks of a window share one. In backward the dK/dV of the K/V held at
+step t travel on at step t+1 (one step behind the K/V), so that a window can finish them.
+Saved for backward: only the local q, k, v, out and LSE; transient: up to 3 visiting K/V.
+
 Numerics (`accumulate`):
     "fp32"         blocks run in the input dtype; outs merge in fp32, dq/dk/dv sum in
                    fp32 (dk/dv travel in fp32); one cast to the input dtype at the end.
@@ -92,9 +103,9 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
 # ---- the schedule: which block a rank computes at each ring step ----------------------
 
 FORWARD_WINDOW = 3
-"""Ring steps whose K/V one forward kernel call covers (per local row chunk)."""
+"""Ring steps whose K/V a forward kernel call may cover (per local row chunk)."""
 BACKWARD_WINDOW = 2
-"""Ring steps a backward call may cover; dK/dV travel one step behind K/V to allow it."""
+"""Ring steps a backward call may cover: at most 2, as dK/dV travel one step behind K/V."""
 KV_TILE = 512
 """Keys per tile of the CPU flash kernel (kvSplitSize): backward calls are packed up to it."""
 
@@ -250,19 +261,19 @@ def _operands(ring: _Ring, *xs):
 def _keys(pieces: list[_Piece], ring: _Ring, rows: int, dtype: torch.dtype):
     """One kernel call's K, V (pieces in sequence order), is_causal and attn_mask.
 
-    Only the row chunk's own (diagonal) chunk is causal, and it comes last: with it
-    alone the block is a causal square; with others before it, causal aligned to the
-    bottom right (the CPU kernel's is_causal is top-left aligned), given as a mask.
+    Only the rows' own (diagonal) chunk is causal, and it comes last: with as many
+    keys as rows the block is a causal square; with more, causal aligned to the bottom
+    right (the CPU kernel's is_causal is top-left aligned), given as a mask.
     """
     ks = [p.k.chunk(ring.parts, dim=2)[p.index] for p in pieces]
     vs = [p.v.chunk(ring.parts, dim=2)[p.index] for p in pieces]
     k, v = (ks[0], vs[0]) if len(pieces) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))
     k, v = _operands(ring, k, v)
+    n = k.shape[2]
     if not pieces[-1].diag:
         return k, v, False, None
-    if len(pieces) == 1:
+    if n == rows:  # a causal square (one diagonal chunk, or the local square)
         return k, v, True, None
-    n = k.shape[2]
     hidden = torch.ones(rows, n, dtype=torch.bool, device=k.device).triu(n - rows + 1)
     mask = torch.zeros(rows, n, dtype=dtype, device=k.device).masked_fill(hidden, float("-inf"))
     return k, v, False, mask
@@ -286,7 +297,8 @@ def _calls(ring: _Ring, qid: int, window, rounded: bool, limit: int | None = Non
     if not pieces:
         return []
     chunk = pieces[0].k.shape[2] // ring.parts
-    if rounded and len(pieces) == ring.seen(qid) and (limit is None or len(pieces) * chunk <= limit):
+    fits = limit is None or len(pieces) * chunk <= limit
+    if rounded and fits and len(pieces) == ring.seen(qid):
         return [sorted(pieces, key=lambda p: p.pos)]
     calls = [[p] for p in pieces if p.diag]
     current = []
@@ -308,18 +320,61 @@ def _rounded(dtype: torch.dtype) -> bool:
     return torch.finfo(dtype).bits < 32
 
 
-def _forward_window(state: list, rows: list, window, ring: _Ring) -> None:
-    """Attend every local row chunk to what it sees of the window's K/V (see `_calls`),
-    merging into `state` ([out, lse] per row chunk) in place."""
-    heads = rows[0].shape[1]
-    dtype = ring.acc_dtype(rows[0].dtype)
-    for p, (qid, q) in enumerate(zip(ring.chunks(ring.rank), rows)):
-        (q,) = _operands(ring, q)
-        for pieces in _calls(ring, qid, window, _rounded(q.dtype)):
-            k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
-            out, lse = _attend(q, _expand_heads(k, heads), _expand_heads(v, heads), causal,
-                               ring.scale, mask)
-            state[p][0], state[p][1] = merge_block(state[p][0], state[p][1], out, lse, dtype)
+def _plan(ring: _Ring, window, rounded: bool, limit: int | None = None):
+    """Every kernel call of the window: [(local row chunks, pieces)].
+
+    The calls of each row chunk (`_calls`), except that where both row chunks of the
+    balanced layout would make the same call, they make it together (one kernel call
+    over twice the rows runs faster, much so in bf16 backward); and their two causal
+    diagonal calls become one: the local causal square (all local rows x the local K/V,
+    is_causal), taking the late rows' fully visible local early chunk with it.
+    """
+    per_row = [_calls(ring, qid, window, rounded, limit) for qid in ring.chunks(ring.rank)]
+    if ring.parts == 1:
+        return [((0,), c) for c in per_row[0]]
+    early, late = per_row
+    plan = []
+    d0 = next((c for c in early if len(c) == 1 and c[0].diag), None)
+    d1 = next((c for c in late if len(c) == 1 and c[0].diag), None)
+    own = next(((c, p) for c in late for p in c if p.step == 0 and p.index == 0), None)
+    if d0 and d1 and own:
+        group, piece = own
+        rest = [p for p in group if p is not piece]
+        late = [c for c in late if c is not d1 and c is not group] + ([rest] if rest else [])
+        early = [c for c in early if c is not d0]
+        plan.append(((0, 1), [piece, d1[0]]))
+    for c in early:  # the same fully visible keys for both row chunks: one call
+        same = [(p.step, p.index) for p in c]
+        twin = None if any(p.diag for p in c) else next(
+            (t for t in late
+             if not any(p.diag for p in t) and [(p.step, p.index) for p in t] == same), None)
+        if twin is not None:
+            late = [t for t in late if t is not twin]
+        plan.append(((0, 1) if twin is not None else (0,), c))
+    return plan + [((1,), c) for c in late]
+
+
+def _rounded(dtype: torch.dtype) -> bool:
+    """Does a kernel in `dtype` round its results to less than fp32?"""
+    return torch.finfo(dtype).bits < 32
+
+
+def _forward_window(state: list, q, rows: list, window, ring: _Ring) -> None:
+    """Attend the local rows to what they see of the window's K/V (see `_plan`), merging
+    into `state` ([out, lse] per row chunk) in place. q: all local rows; rows: its chunks."""
+    heads = q.shape[1]
+    dtype = ring.acc_dtype(q.dtype)
+    (q,) = _operands(ring, q)
+    rows = _operands(ring, *rows)
+    for parts, pieces in _plan(ring, window, _rounded(q.dtype)):
+        x = rows[parts[0]] if len(parts) == 1 else q
+        k, v, causal, mask = _keys(pieces, ring, x.shape[2], x.dtype)
+        out, lse = _attend(x, _expand_heads(k, heads), _expand_heads(v, heads), causal,
+                           ring.scale, mask)
+        outs = (out,) if len(parts) == 1 else out.chunk(len(parts), dim=2)
+        lses = (lse,) if len(parts) == 1 else lse.chunk(len(parts), dim=2)
+        for p, o, l in zip(parts, outs, lses):
+            state[p][0], state[p][1] = merge_block(state[p][0], state[p][1], o, l, dtype)
 
 
 def _row_chunks(x, parts: int) -> list:
@@ -335,33 +390,39 @@ def _finish_forward(state: list, dtype: torch.dtype, ring: _Ring):
 
 
 def _rows_for_backward(ring: _Ring, q, out, dout, lse) -> list[tuple]:
-    """Per local row chunk: (q, out, dout, lse), operands in the block dtype."""
+    """(q, out, dout, lse) of all local rows, then of each local row chunk; operands in
+    the block dtype."""
     q, out, dout = _operands(ring, q, out, dout)
-    return list(zip(*(_row_chunks(x, ring.parts) for x in (q, out, dout.contiguous(), lse))))
+    dout = dout.contiguous()
+    return [(q, out, dout, lse)] + list(zip(*(_row_chunks(x, ring.parts)
+                                              for x in (q, out, dout, lse))))
 
 
 def _backward_window(dq: list, rows: list, window, grads: dict, ring: _Ring, kshape, vshape):
-    """Gradients of every block of the window: dq added into `dq` (per row chunk) in
-    place, dk/dv into `grads[step]` (a flat [dk | dv] for the step's K/V, created here)."""
+    """Gradients of every call of the window (see `_plan`): dq added into `dq` (per row
+    chunk) in place, dk/dv into `grads[step]` (a flat [dk | dv] for the step's K/V, created
+    here). rows: `_rows_for_backward`."""
     heads = rows[0][0].shape[1]
     dtype = dq[0].dtype
-    for p, (qid, (q, out, dout, lse)) in enumerate(zip(ring.chunks(ring.rank), rows)):
-        # The CPU kernel adds each KV tile's (512 keys) dq into its output in the input
-        # dtype: past one tile, its running sum is worse than ours in fp32.
-        for pieces in _calls(ring, qid, window, _rounded(q.dtype), KV_TILE):
-            k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
-            gq, gk, gv = _attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
-                                          out, lse, causal, ring.scale, mask)
-            dq[p] += gq
-            gk = _reduce_heads(gk, kshape[1], dtype).split(kshape[2] // ring.parts, dim=2)
-            gv = _reduce_heads(gv, vshape[1], dtype).split(vshape[2] // ring.parts, dim=2)
-            for piece, dk, dv in zip(pieces, gk, gv):
-                if piece.step not in grads:
-                    grads[piece.step] = torch.zeros(math.prod(kshape) + math.prod(vshape),
-                                                    dtype=dtype, device=q.device)
-                gk_all, gv_all = _unflat(grads[piece.step], kshape, vshape)
-                gk_all.chunk(ring.parts, dim=2)[piece.index].add_(dk)
-                gv_all.chunk(ring.parts, dim=2)[piece.index].add_(dv)
+    # The CPU kernel adds each KV tile's (512 keys) dq into its output in the input dtype:
+    # past one tile, its running sum is worse than ours in fp32.
+    rounded = _rounded(rows[0][0].dtype)
+    for parts, pieces in _plan(ring, window, rounded, KV_TILE if rounded else None):
+        q, out, dout, lse = rows[1 + parts[0]] if len(parts) == 1 else rows[0]
+        k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
+        gq, gk, gv = _attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
+                                      out, lse, causal, ring.scale, mask)
+        for p, g in zip(parts, (gq,) if len(parts) == 1 else gq.chunk(len(parts), dim=2)):
+            dq[p] += g
+        gk = _reduce_heads(gk, kshape[1], dtype).split(kshape[2] // ring.parts, dim=2)
+        gv = _reduce_heads(gv, vshape[1], dtype).split(vshape[2] // ring.parts, dim=2)
+        for piece, dk, dv in zip(pieces, gk, gv):
+            if piece.step not in grads:
+                grads[piece.step] = torch.zeros(math.prod(kshape) + math.prod(vshape),
+                                                dtype=dtype, device=q.device)
+            gk_all, gv_all = _unflat(grads[piece.step], kshape, vshape)
+            gk_all.chunk(ring.parts, dim=2)[piece.index].add_(dk)
+            gv_all.chunk(ring.parts, dim=2)[piece.index].add_(dv)
 
 
 def _window_ends(cp: int, size: int) -> set[int]:
@@ -419,7 +480,7 @@ def _ring_forward(q, k, v, ring: _Ring):
                 pending = _send_to_next(kv, ring)  # in flight while this step computes
         window.append((step, src, *_unflat(kv, k.shape, v.shape)))
         if step in ends:
-            _forward_window(state, rows, window, ring)
+            _forward_window(state, q, rows, window, ring)
             window = []
     return _finish_forward(state, q.dtype, ring)
 
@@ -432,7 +493,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
     """
     rows = _rows_for_backward(ring, q, out, dout, lse)
     dtype = ring.acc_dtype(q.dtype)
-    dq = [torch.zeros(r[0].shape, dtype=dtype, device=q.device) for r in rows]
+    dq = [torch.zeros(r[0].shape, dtype=dtype, device=q.device) for r in rows[1:]]
     kv = _flat(k, v)
     allgather = ring.comm == "allgather" and ring.cp > 1
     if allgather:
@@ -463,11 +524,12 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
                 dkv_all[(ring.rank - done) % ring.cp] += mine
             continue
         if done == 0:  # our own K/V: its dK/dV starts here
-            dkv = mine if mine is not None else torch.zeros(kv.numel(), dtype=dtype, device=q.device)
+            dkv = mine if mine is not None else \
+                torch.zeros(kv.numel(), dtype=dtype, device=q.device)
         else:  # as summed by the ranks before this one
             dkv = _wait(pending_dkv)
             if mine is not None:
-                dkv = dkv + mine
+                dkv.add_(mine)
         pending_dkv = _send_to_next(dkv, ring)
     if allgather:
         dkv = _wait(_c10d.reduce_scatter_tensor(dkv_all.view(-1), "sum", ring.cp, ring.group_name))
@@ -585,7 +647,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
         rows = _row_chunks(qs[r], ring.parts)
         state = [[None, None] for _ in range(ring.parts)]
         for window in _windows(ring, FORWARD_WINDOW, ks, vs):
-            _forward_window(state, rows, window, ring)
+            _forward_window(state, qs[r], rows, window, ring)
         finished.append(_finish_forward(state, q.dtype, ring))
     result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
                        unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
@@ -598,7 +660,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     dqs, grads = [], []  # grads[r][step]: rank r's dK/dV for the K/V it holds at step
     for r, ring in enumerate(rings):
         rows = _rows_for_backward(ring, qs[r], finished[r][2], douts[r], finished[r][1])
-        dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows]
+        dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows[1:]]
         grads.append({})
         for window in _windows(ring, BACKWARD_WINDOW, ks, vs):
             _backward_window(dq, rows, window, grads[r], ring, kshape, vshape)
@@ -609,7 +671,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
         for step in range(cp):
             mine = grads[(src + step) % cp].get(step)
             if mine is not None:
-                dkv = mine if dkv is None else dkv + mine
+                dkv = mine if dkv is None else dkv.add_(mine)
         dkvs.append(dkv if dkv is not None else
                     torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device))
     dks, dvs = zip(*(_unflat(d, kshape, vshape) for d in dkvs))

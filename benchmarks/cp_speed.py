@@ -1,0 +1,219 @@
+"""Speed of context-parallel ring attention: gradsched's ring (Inductor and eager) against torch's.
+
+    python benchmarks/cp_speed.py [--cp 2] [--seq 2048] [--heads 8] [--dim 64] [--dtype fp32]
+                                  [--causal | --no-causal] [--iters 10]
+
+Starts --cp gloo processes (gradsched.launch.run_ranks, one thread each). Every rank
+builds the same full-sequence q, k, v, grad_out from the seed and keeps its shard in the
+load-balanced layout (gradsched.cp_layout; torch's head-tail load balancer cuts the
+sequence the same way). Three implementations of forward + backward over those shards:
+
+    gradsched_inductor  torch.compile(fullgraph=True, backend="inductor") of a function
+                        calling gradsched.ring_attention.ring_attention; out.backward()
+                        runs the Inductor-compiled backward graph (AOTAutograd)
+    torch_ring          torch's own ring, the engine of
+                        torch.distributed.tensor.experimental.context_parallel:
+                        _templated_ring_attention + _templated_ring_attention_backward
+                        with the CPU flash op and torch's default options (fp32 merge,
+                        head-tail load balancing, all-gather K/V rotation), called directly
+                        as torch's tests do: the public context_parallel() has no sharding
+                        strategy for the CPU flash op
+    gradsched_eager     the same ring_attention call without torch.compile
+
+Before timing, every rank checks that the three give the same out, dq, dk, dv on its
+shard (fp32: rtol 1e-4, atol 1e-5; other dtypes: within a few of that dtype's eps).
+Then each iteration runs the three in turn (interleaved, so drift of the machine hits all
+alike), each between two barriers; the time of one forward+backward is the wall time
+between the barriers (the slowest rank's time). Memory: one more forward+backward per
+implementation under torch.profiler(profile_memory=True); the peak of the running sum of
+the CPU allocator's allocation/free events over that iteration is the peak of tensor memory
+above what was live before it (inputs excluded; saved activations and gradients
+included; gloo's own buffers not). Where the profiler gives no memory events, the growth
+of ru_maxrss is reported instead; "mem_method" says which.
+
+Output: one JSON object per implementation on stdout (also written to
+benchmarks/results/cp_speed.jsonl), progress on stderr. fwd_bwd_ms_median is the median
+over --iters; ratio_vs_torch_cp is that median over torch_ring's. On this CPU machine
+(2 cores shared by all ranks, gloo over loopback) absolute milliseconds mean little and
+move from run to run; only the ratios within one run compare the implementations.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradsched.cp_layout import shard
+from gradsched.launch import run_ranks
+from gradsched.ring_attention import ring_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_speed.jsonl")
+IMPLS = ("gradsched_inductor", "torch_ring", "gradsched_eager")
+
+
+def log(msg: str) -> None:
+    print(f"[cp_speed {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def _peak_mb(fn) -> tuple[float, str]:
+    """(peak MB of tensor memory above the start while fn runs, how it was measured)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+        events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                        if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+        if events:
+            live = peak = 0
+            for _, n in events:
+                live += n
+                peak = max(peak, live)
+            return peak / 2**20, "torch.profiler CPU allocator events (peak live tensor bytes)"
+    except (AttributeError, RuntimeError):
+        pass
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    fn()
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024, "ru_maxrss delta"
+
+
+def _rank(rank: int, world: int, cfg: dict):
+    torch.set_num_threads(1)
+    group = dist.group.WORLD.group_name
+    dtype = DTYPES[cfg["dtype"]]
+    g = torch.Generator().manual_seed(cfg["seed"])
+    shape = lambda h: (cfg["batch"], h, cfg["seq"], cfg["dim"])  # noqa: E731
+    q, k, v, dout = (shard(torch.randn(shape(h), generator=g).to(dtype), world, rank, dim=2)
+                     for h in (cfg["heads"], cfg["kv_heads"], cfg["kv_heads"], cfg["heads"]))
+    causal = cfg["causal"]
+
+    def attend(ql, kl, vl):
+        return ring_attention(ql, kl, vl, group, causal=causal, comm=cfg["comm"])
+
+    compiled = torch.compile(attend, fullgraph=True, backend="inductor")
+
+    def gradsched(fn):
+        def run():
+            ql, kl, vl = (x.detach().requires_grad_() for x in (q, k, v))
+            out = fn(ql, kl, vl)
+            out.backward(dout)
+            return out.detach(), ql.grad, kl.grad, vl.grad
+        return run
+
+    impls = {"gradsched_inductor": gradsched(compiled),
+             "torch_ring": lambda: torch_ring_attention(q, k, v, dout, causal),
+             "gradsched_eager": gradsched(attend)}
+
+    t0 = time.perf_counter()
+    results = {"gradsched_inductor": impls["gradsched_inductor"]()}  # compiles fwd and bwd
+    compile_s = time.perf_counter() - t0
+    if rank == 0:
+        log(f"Inductor compile (first forward+backward): {compile_s:.1f} s")
+    for name in ("torch_ring", "gradsched_eager"):
+        results[name] = impls[name]()
+
+    # the three agree: each against torch's ring, on this rank's shard
+    tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else \
+        dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
+    diffs = {}
+    for name in ("gradsched_inductor", "gradsched_eager"):
+        for label, a, b in zip(("out", "dq", "dk", "dv"), results[name], results["torch_ring"]):
+            torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {name} {label} "
+                                       f"differs from torch_ring: {m}")
+        diffs[name] = max((a.double() - b.double()).abs().max().item()
+                          for a, b in zip(results[name], results["torch_ring"]))
+    diffs["torch_ring"] = 0.0
+    if rank == 0:
+        log(f"outputs agree (max |diff| vs torch_ring: "
+            f"{', '.join(f'{n} {d:.2g}' for n, d in diffs.items() if n != 'torch_ring')})")
+
+    for _ in range(cfg["warmup"]):
+        for fn in impls.values():
+            fn()
+    times = {name: [] for name in impls}
+    for i in range(cfg["iters"]):
+        for name, fn in impls.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            dist.barrier()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+        if rank == 0:
+            log(f"iteration {i + 1}/{cfg['iters']}: "
+                + ", ".join(f"{n} {t[-1]:.1f} ms" for n, t in times.items()))
+    memory = {}
+    for name, fn in impls.items():
+        dist.barrier()
+        memory[name] = _peak_mb(fn)
+    return dict(times=times, memory=memory, diffs=diffs, compile_s=compile_s)
+
+
+def main(argv=None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cp", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (no GQA)")
+    p.add_argument("--dim", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--comm", choices=("ring", "allgather"), default="ring",
+                   help="gradsched's K/V exchange (torch_ring always uses torch's default)")
+    p.add_argument("--iters", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=RESULTS, help="JSONL file for the results ('' for none)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed to the ranks")
+    a = p.parse_args(argv)
+    if a.seq % (2 * a.cp):
+        p.error(f"--seq {a.seq} must be a multiple of 2*cp={2 * a.cp} (load-balanced layout)")
+    cfg = dict(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, dim=a.dim, batch=a.batch,
+               dtype=a.dtype, causal=a.causal, comm=a.comm, iters=a.iters, warmup=a.warmup,
+               seed=a.seed)
+
+    t0 = time.perf_counter()
+    per_rank = run_ranks(_rank, a.cp, cfg, timeout_s=a.timeout, collective_timeout_s=a.timeout)
+    log(f"{a.cp} ranks: {time.perf_counter() - t0:.1f} s in all")
+
+    medians = {n: statistics.median(per_rank[0]["times"][n]) for n in IMPLS}
+    rows = []
+    for name in IMPLS:
+        rows.append({
+            "bench": "cp_speed", "impl": name, "cp": a.cp, "seq": a.seq, "heads": a.heads,
+            "kv_heads": cfg["kv_heads"], "dim": a.dim, "batch": a.batch, "dtype": a.dtype,
+            "causal": a.causal,
+            "comm": "allgather (torch default)" if name == "torch_ring" else a.comm,
+            "iters": a.iters,
+            "fwd_bwd_ms_median": round(medians[name], 2),
+            "fwd_bwd_ms_min": round(min(per_rank[0]["times"][name]), 2),
+            "ratio_vs_torch_cp": round(medians[name] / medians["torch_ring"], 3),
+            "peak_mem_mb_per_rank": round(max(r["memory"][name][0] for r in per_rank), 2),
+            "mem_method": per_rank[0]["memory"][name][1],
+            "max_abs_diff_vs_torch": max(r["diffs"][name] for r in per_rank),
+            "compile_s": (round(per_rank[0]["compile_s"], 1) if name == "gradsched_inductor"
+                          else None),
+            "device": "cpu, gloo", "torch": torch.__version__,
+        })
+    for row in rows:
+        print(json.dumps(row), flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        log(f"wrote {a.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
