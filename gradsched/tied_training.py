@@ -108,6 +108,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "losses": losses, "step_times": times,
         "params": {n: p.detach().clone() for n, p in sync.state.params.items()},
         "ties": [t.members for t in sync.ties.values()],
+        "tied_buckets": [sync.layout.locate(name)[0].index for name in sync.ties],
+        "n_buckets": len(sync.layout.buckets),
         "report": sync.schedule_report(),
         "verifier": "ok" if sync.state.verdict is None or sync.state.verdict.ok else "hazard",
         "verdict": str(sync.state.verdict),
