@@ -25,6 +25,10 @@ bench: $(VENV)/.installed
 	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3
 	$(PY) benchmarks/cp_numerics.py --cp 8 --seq 4096 --heads 12 --dim 128 --dtype bf16 --causal
 	$(PY) benchmarks/cp_speed.py
+	$(PY) -m pip install -q matplotlib
+	$(PY) benchmarks/train_parity.py --model hf_gpt2 --dtype float32 --steps 5
+	$(PY) benchmarks/train_parity.py --model hf_gpt2 --dtype bfloat16 --steps 50 --pp 2 --dp 1 --cp 4 \
+		--seq 256 --accumulate fp32 input
 
 clean:
 	rm -rf $(VENV) *.egg-info
