@@ -24,7 +24,6 @@ rank builds the inputs itself from the seed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -36,6 +35,7 @@ import torch.distributed as dist
 from gradsched.cp_layout import shard, unshard
 from gradsched.launch import run_ranks
 from gradsched.ring_attention import ACCUMULATE_MODES, ring_attention
+from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
 MODES = (*ACCUMULATE_MODES, "torch_ring")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -192,13 +192,7 @@ def main(argv=None) -> list[dict]:
                          "dim": a.dim, "batch": a.batch, "dtype": a.dtype, "causal": a.causal,
                          "comm": "allgather (torch default)" if mode == "torch_ring" else a.comm,
                          "ring_seconds": round(seconds, 2)})
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-        log(f"wrote {a.out}")
+    emit(rows, a.out)
     return rows
 
 

@@ -40,7 +40,6 @@ move from run to run; only the ratios within one run compare the implementations
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import resource
 import statistics
@@ -56,6 +55,7 @@ from gradsched.ring_attention import ring_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
+from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_speed.jsonl")
 IMPLS = ("gradsched_inductor", "torch_ring", "gradsched_eager")
@@ -205,13 +205,7 @@ def main(argv=None) -> list[dict]:
                           else None),
             "device": "cpu, gloo", "torch": torch.__version__,
         })
-    for row in rows:
-        print(json.dumps(row), flush=True)
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            f.writelines(json.dumps(row) + "\n" for row in rows)
-        log(f"wrote {a.out}")
+    emit(rows, a.out)
     return rows
 
 

@@ -12,16 +12,14 @@ which compiles).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
+from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.tied_training import Job, compare, rank_main, reference
 
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
-RESULTS = Path(__file__).parent / "results"
 
 
 def step_time(ranks: list[dict]) -> float:
@@ -63,10 +61,7 @@ def main(argv=None) -> int:
         })
     for row in rows:
         row["step_time_ratio_vs_tied_first"] = round(times[row["mode"]] / times["tied_first"], 3)
-        print(json.dumps(row), flush=True)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    print(f"[tied_grad_sync] wrote {args.out}", file=sys.stderr)
+    emit(rows, args.out)
     return 0
 
 

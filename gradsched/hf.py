@@ -8,7 +8,6 @@ and head (one Parameter), its SDPA attention.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 

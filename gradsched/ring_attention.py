@@ -354,11 +354,6 @@ def _plan(ring: _Ring, window, rounded: bool, limit: int | None = None):
     return plan + [((1,), c) for c in late]
 
 
-def _rounded(dtype: torch.dtype) -> bool:
-    """Does a kernel in `dtype` round its results to less than fp32?"""
-    return torch.finfo(dtype).bits < 32
-
-
 def _forward_window(state: list, q, rows: list, window, ring: _Ring) -> None:
     """Attend the local rows to what they see of the window's K/V (see `_plan`), merging
     into `state` ([out, lse] per row chunk) in place. q: all local rows; rows: its chunks."""

@@ -8,7 +8,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes import SyncSpec, TieCheck, TieLayout, insert_grad_sync, plan_buckets, verify_graph
-from gradsched.passes.grad_ready_order import GradSpec, grad_ready_order
+from gradsched.passes.grad_ready_order import grad_ready_order
 from gradsched.passes.graph_utils import META_KEY, is_collective
 from gradsched.passes.verify import graph_to_json, main as verify_main, to_nx
 
