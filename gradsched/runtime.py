@@ -94,6 +94,7 @@ class GradSync:
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter]):
         """Plan buckets from this backward graph; return the callable to run as backward."""
+        _maybe_print(bw_gm, f"stage {self.stage} backward graph, before the gradient-sync passes")
         ready = grad_ready_order(bw_gm, grad_names)
         if self.state is not None and [r.name for r in self.state.ready] != [r.name for r in ready]:
             raise RuntimeError(
@@ -128,7 +129,7 @@ class GradSync:
         sync_gm = fx.GraphModule(bw_gm, bw_gm.graph.__deepcopy__())
         sync_gm.meta.update(bw_gm.meta)
         insert_grad_sync(sync_gm, self._spec(layout, {r.name: r.output_index for r in ready}, accumulate))
-        _maybe_print(sync_gm, "backward graph with gradient sync")
+        _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync")
         record = sync_gm.meta[META_KEY]
         extra = [torch.zeros(params[n].shape, dtype=params[n].dtype) for n in record.acc_inputs]
         self.state.sync_gm = sync_gm
@@ -180,7 +181,7 @@ class GradSync:
         out = gm.graph.output_node()
         out.args = (tuple(out.args[0][record.n_outputs:]),)  # the flush graph returns the buckets only
         gm.recompile()
-        _maybe_print(gm, "flush sync graph")
+        _maybe_print(gm, f"stage {self.stage} flush graph, after insert_grad_sync")
         return gm
 
     # ---- checks before the first collective ----------------------------------------------

@@ -13,7 +13,8 @@ Context parallelism (context_parallel.py) lowers attention into ring steps on th
 forward graph, before AOTAutograd.
 
 Each pass's module docstring states the invariant it establishes and what it assumes.
-`GRADSCHED_PRINT_GRAPHS=1` prints every graph before and after the pipeline.
+`GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline and the
+graph it produces.
 """
 from .bucketing import BucketLayout, plan_buckets
 from .grad_ready_order import GradSpec, grad_ready_order
