@@ -11,13 +11,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str):
         return make_boxed_func(gm.forward)
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch._inductor.virtualized import V
+
+    from gradsched.passes.graph_utils import fake_mode_of
 
     fake = detect_fake_mode(example_inputs)
     if fake is None:  # a graph built by gradsched itself (the flush graph): give Inductor fake inputs
-        from gradsched.passes.graph_utils import fake_mode_of
-        fake = fake_mode_of(gm) if any("val" in n.meta for n in gm.graph.nodes) else FakeTensorMode()
+        fake = fake_mode_of(gm)
         fake_inputs = [fake.from_tensor(t, static_shapes=True) for t in example_inputs]
         with V.set_fake_mode(fake), fake:
             compiled = compile_fx_inner(gm, fake_inputs)

@@ -40,10 +40,10 @@ def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> dict[str, lis
     """Exchange over the gradient group, then each tie group; return the peers' tie layouts."""
     seqs = sequence(gm)
     plan = sync.plan
-    pg, ranks, _ = sync._grad_group()
+    pg, ranks, _ = sync.grad_group()
     groups = [("gradient group", pg, ranks, None, None)]
     for name, tie in sorted(sync.ties.items(), key=lambda kv: kv[1].key):
-        tranks, tpg = sync._tie_group(tie)
+        tranks, tpg = sync.tie_group_of(tie)
         groups.append((f"tie group of {tie.key}", tpg, tranks, tie.key, sync.state.params[name]))
     peers: dict[str, list] = {}
     for what, pg, ranks, tie_key, p in groups:

@@ -73,7 +73,7 @@ class DistributedOptimizer:
         if not self.sync.options.shard:
             self.optimizer = self.optimizer_class(list(st.params.values()), **self.kwargs)
             return
-        pg, ranks, me = self.sync._grad_group()
+        pg, ranks, me = self.sync.grad_group()
         for b in st.layout.buckets:
             flat = self._flat_params(b)
             size = b.shard_numel(len(ranks))
@@ -101,7 +101,7 @@ class DistributedOptimizer:
         for shard, g in zip(self.shards, st.results):
             shard.grad = g.float()
         self.optimizer.step()
-        pg, ranks, _ = self.sync._grad_group()
+        pg, ranks, _ = self.sync.grad_group()
         for b, shard in zip(st.layout.buckets, self.shards):
             full = torch.empty(b.numel, dtype=torch.float32)
             _all_gather(full, shard.detach(), pg)

@@ -26,10 +26,10 @@ def tied_bytes(gm: fx.GraphModule) -> int:
 def schedule_report(sync) -> str:
     st = sync._require_state()
     plan, opts = sync.plan, sync.options
-    pg, ranks, _ = sync._grad_group()
+    pg, ranks, _ = sync.grad_group()
     names = {pg.group_name: f"grad{list(ranks)}"}
     for t in sync.ties.values():
-        tranks, tpg = sync._tie_group(t)
+        tranks, tpg = sync.tie_group_of(t)
         names[tpg.group_name] = f"tie{list(tranks)}"
     out = [f"== {plan.describe()} stage {sync.stage}: mode={opts.mode} shard={opts.shard} "
            f"placement={sync.placement} microbatches={opts.microbatches}"]

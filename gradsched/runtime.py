@@ -75,17 +75,19 @@ class GradSync:
         self.sync_runs = 0  # executions of the sync graph: once per optimizer step
 
     # ---- groups and specs ---------------------------------------------------------------
-    def _grad_group(self):
+    def grad_group(self):
+        """(process group, its plan ranks, this rank's index in it): gradients are reduced here."""
         ranks = self.plan.group_ranks("grad")
         return self.plan.process_group("grad"), ranks, ranks.index(self.plan.rank)
 
-    def _tie_group(self, tie: Tie):
+    def tie_group_of(self, tie: Tie):
+        """(plan ranks, process group) summing `tie`'s copies for this rank's dp/cp slot."""
         return self.plan.tie_group(tie.stages)
 
     def _spec(self, layout, grad_outputs, accumulate) -> SyncSpec:
-        pg, ranks, me = self._grad_group()
+        pg, ranks, me = self.grad_group()
         return SyncSpec(layout=layout, grad_outputs=grad_outputs, group=pg.group_name, group_size=len(ranks),
-                        shard_rank=me, tie_groups={t.key: self._tie_group(t)[1].group_name
+                        shard_rank=me, tie_groups={t.key: self.tie_group_of(t)[1].group_name
                                                    for t in self.ties.values()},
                         mode=self.options.mode, shard=self.options.shard, average=self.options.average,
                         accumulate=accumulate)

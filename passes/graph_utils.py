@@ -71,8 +71,7 @@ class GraphBuilder:
         last = [n for n in self.graph.nodes if n.op == "placeholder"]
         with self.graph.inserting_before(last[-1].next if last else None):
             node = self.graph.placeholder(name)
-        node.meta["val"] = self.fake_mode.from_tensor(example, static_shapes=True) \
-            if not isinstance(example, torch._subclasses.FakeTensor) else example
+        node.meta["val"] = self.fake_mode.from_tensor(example, static_shapes=True)
         return node
 
     # ---- ops used by the grad-sync pass ---------------------------------------------

@@ -136,14 +136,14 @@ def test_ready_order_follows_the_nodes_that_produce_each_gradient():
     g, fake = fx.Graph(), FakeTensorMode()
     x = g.placeholder("x")
     x.meta["val"] = fake.from_tensor(torch.empty(3))
-    late = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
-    early = g.call_function(torch.ops.aten.neg.default, (x,))
-    for n in (late, early):
+    computed_first = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))
+    computed_second = g.call_function(torch.ops.aten.neg.default, (x,))
+    for n in (computed_first, computed_second):
         n.meta["val"] = fake.from_tensor(torch.empty(3))
-    g.output((early, late))
+    g.output((computed_second, computed_first))  # output order is not ready order
     gm = fx.GraphModule(torch.nn.Module(), g)
-    order = grad_ready_order(gm, {0: "early_out", 1: "late_out"})
-    assert [s.name for s in order] == ["late_out", "early_out"]
+    order = grad_ready_order(gm, {0: "second", 1: "first"})
+    assert [s.name for s in order] == ["first", "second"]
 
 
 def test_bf16_gradients_are_reduced_in_fp32_when_asked():
