@@ -53,18 +53,42 @@ def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
             "torch.nn.functional.scaled_dot_product_attention, or train this model with cp=1.")
 
 
+def _sync_for_backend_by_name(plan, options: dict, params):
+    """The GradSync of torch.compile(model, backend="gradsched", options=...): one per model, reused
+    by recompiles. Alone, the backend sees single backward passes, so it takes only what it can
+    run right: one stage, every backward ending a step, the reductions inside it."""
+    from .runtime import GradSync, sync_of
+    if plan is None:
+        raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '
+                         "(or use gradsched.parallelize).")
+    opts = SyncOptions.from_dict(options)
+    refuse = []
+    if plan.pp > 1:
+        refuse.append(f"pp={plan.pp}: pipeline stages need a schedule")
+    if plan.cp > 1:
+        refuse.append(f"cp={plan.cp}: context parallelism shards the sequence, its positions and the loss")
+    if opts.microbatches > 1:
+        refuse.append(f"microbatches={opts.microbatches}: only a driver knows which backward ends a step")
+    if opts.placement == "flush":
+        refuse.append("placement='flush': nothing would call the flush")
+    if refuse:
+        raise ValueError("torch.compile(backend=\"gradsched\") alone cannot run " + "; ".join(refuse) +
+                         ". Use gradsched.parallelize(model, plan=..., loss_fn=..., ...) and its train_step, "
+                         "which runs the schedule, the micro-batches and the loss for you.")
+    existing = sync_of(params)
+    if existing is not None and existing.plan is plan and existing.options == opts:
+        return existing  # a recompile of the same model
+    return GradSync(plan, opts)
+
+
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None):
     """Dynamo backend entry point (registered as "gradsched")."""
     options = dict(options or {})
     plan = options.pop("plan", None)
     grad_sync = options.pop("grad_sync", grad_sync)
-    if grad_sync is None:
-        if plan is None:
-            raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '
-                             "(or use gradsched.parallelize).")
-        from .runtime import GradSync
-        grad_sync = GradSync(plan, SyncOptions.from_dict(options))
     params = parameter_inputs(gm, example_inputs)
+    if grad_sync is None:
+        grad_sync = _sync_for_backend_by_name(plan, options, [p for _, p in params.values()])
     opts, plan = grad_sync.options, grad_sync.plan
     compiler = opts.compiler
     if plan.cp > 1:

@@ -1,18 +1,23 @@
 """Cross-rank check: every rank of a group must issue the same collectives in the same order.
 
 Before a sync graph's first collective, each rank sends, over each of its
-groups, the sequence (op, dtype, numel) of that group's collectives in graph
-order, plus the layout of any tied gradient it holds. A difference becomes a
-readable error naming the first differing collective, instead of a hang or
-silently wrong gradients. Tied copies whose shapes or dtypes differ are
-caught here too.
+groups, the sequence of that group's collectives in graph order, each as
+(op, dtype, numel, identity): the identity is what the collective carries, the
+tie key for a tie all-reduce, the bucket's slot list (parameter, offset, numel)
+for a data-parallel reduction. Collectives are thus matched by identity, not by
+position: two ties of equal size issued in different orders are caught, not
+summed with each other. A difference becomes a readable error naming both
+sides, instead of a hang or silently wrong gradients. Tied copies whose shapes
+or dtypes differ are caught here too.
 """
 from __future__ import annotations
+
+import json
 
 import torch.distributed as dist
 import torch.fx as fx
 
-from gradsched.passes.graph_utils import collective_group, collective_kind, is_collective
+from gradsched.passes.graph_utils import META_KEY, collective_group, collective_kind, is_collective
 
 
 class CollectiveMismatch(RuntimeError):
@@ -20,13 +25,39 @@ class CollectiveMismatch(RuntimeError):
 
 
 def sequence(gm: fx.GraphModule) -> dict[str, list[tuple]]:
-    """Group name -> [(op, dtype, numel), ...] in graph (issue) order."""
+    """Group name -> [(op, dtype, numel, identity), ...] in graph (issue) order."""
     seqs: dict[str, list[tuple]] = {}
     for n in gm.graph.nodes:
         if is_collective(n):
             v = n.args[0].meta["val"]
-            seqs.setdefault(collective_group(n), []).append((collective_kind(n), str(v.dtype), v.numel()))
+            ident = json.dumps((n.meta.get(META_KEY) or {}).get("identity"))
+            seqs.setdefault(collective_group(n), []).append((collective_kind(n), str(v.dtype), v.numel(), ident))
     return seqs
+
+
+def describe(c) -> str:
+    """One collective of a sequence, for a message."""
+    if c is None:
+        return "nothing (its sequence ends)"
+    op, dtype, numel, ident = c
+    ident = json.loads(ident)
+    if isinstance(ident, list):  # a bucket: its slots
+        names = ", ".join(f"{n}@{o}+{k}" for n, o, k in ident[:4]) + (", ..." if len(ident) > 4 else "")
+        ident = f"bucket [{names}]"
+    return f"{op} of {ident or 'an untagged tensor'} ({dtype.replace('torch.', '')}, {numel} elements)"
+
+
+def compare_sequences(what: str, ranks, me: int, mine: list, other_rank: int, other: list) -> None:
+    """Raise CollectiveMismatch naming both sides at the first collective that differs."""
+    if mine == other:
+        return
+    i = first_difference(mine, other)
+    at = lambda s: s[i] if i < len(s) else None  # noqa: E731
+    raise CollectiveMismatch(
+        f"collectives differ on the {what} (ranks {list(ranks)}): at collective #{i} rank {me} issues "
+        f"{describe(at(mine))} but rank {other_rank} issues {describe(at(other))} ({len(mine)} vs {len(other)} "
+        "collectives). Running would hang or sum unrelated tensors. The ranks compiled different gradient "
+        "syncs: give every rank the same gradsched options and the same model.")
 
 
 def first_difference(a: list, b: list) -> int:
@@ -36,8 +67,11 @@ def first_difference(a: list, b: list) -> int:
     return min(len(a), len(b))
 
 
-def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> dict[str, list]:
-    """Exchange over the gradient group, then each tie group; return the peers' tie layouts."""
+def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> tuple[dict, dict]:
+    """Exchange over the gradient group, then each tie group.
+
+    Returns (tie key -> the other members' layouts, tie key -> {rank: identities of
+    the tie group's collectives in that rank's issue order}) for the verifier."""
     seqs = sequence(gm)
     plan = sync.plan
     pg, ranks, _ = sync.grad_group()
@@ -46,6 +80,7 @@ def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> dict[str, lis
         tranks, tpg = sync.tie_group_of(tie)
         groups.append((f"tie group of {tie.key}", tpg, tranks, tie.key, sync.state.params[name]))
     peers: dict[str, list] = {}
+    sequences: dict[str, dict] = {}
     for what, pg, ranks, tie_key, p in groups:
         mine = {"rank": plan.rank, "seq": seqs.get(pg.group_name, []),
                 "layout": layouts.get(tie_key), "param": (tuple(p.shape), str(p.dtype)) if p is not None else None}
@@ -57,15 +92,16 @@ def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> dict[str, lis
                     f"tied copies differ on the {what}: rank {plan.rank} holds shape/dtype {mine['param']}, "
                     f"rank {other['rank']} holds {other['param']}. Tied copies must have the same shape and "
                     "dtype: check the model split and any dtype casts of one stage.")
-            if other["seq"] != mine["seq"]:
-                i = first_difference(mine["seq"], other["seq"])
-                show = lambda s: s[i] if i < len(s) else "nothing (sequence ends)"  # noqa: E731
-                raise CollectiveMismatch(
-                    f"collective order differs on the {what} (ranks {list(ranks)}): at collective #{i} rank "
-                    f"{plan.rank} issues {show(mine['seq'])} but rank {other['rank']} issues "
-                    f"{show(other['seq'])} ({len(mine['seq'])} vs {len(other['seq'])} collectives). Running "
-                    "would hang or mix unrelated tensors; give every rank the same gradsched options and model.")
+            compare_sequences(what, ranks, plan.rank, mine["seq"], other["rank"], other["seq"])
             if tie_key and other["rank"] != plan.rank:
                 peers.setdefault(tie_key, []).append(other["layout"])
-    return peers
+                sequences.setdefault(tie_key, {})[other["rank"]] = _tie_keys(other["seq"])
+        if tie_key:
+            sequences.setdefault(tie_key, {})[plan.rank] = _tie_keys(mine["seq"])
+    return peers, sequences
+
+
+def _tie_keys(seq: list) -> list:
+    """The identities of a tie group's collectives, for the verifier."""
+    return [json.loads(c[3]) for c in seq]
 

@@ -62,14 +62,19 @@ class DistributedOptimizer:
 
     @property
     def sync(self):
-        """The stage's GradSync (a ParallelModel builds it lazily, at its first step)."""
-        sync = getattr(self.model, "grad_sync", self.model)
-        if sync is None:
-            raise RuntimeError("DistributedOptimizer.step() before the model's first train_step.")
+        """The GradSync reducing the model's gradients: a ParallelModel's (built at its first step), or,
+        for torch.compile(model, backend="gradsched"), the one the backend attached to its parameters."""
+        from .runtime import sync_of
+        sync = getattr(self.model, "grad_sync", None)
+        if sync is None and not hasattr(self.model, "grad_sync"):
+            sync = sync_of(self.model.parameters())
+        if sync is None or sync.state is None:
+            raise RuntimeError("DistributedOptimizer.step() before the model's first forward and backward: the "
+                               "gradient shards are laid out by the first backward graph.")
         return sync
 
     def _build(self):
-        st = self.sync._require_state()
+        st = self.sync.state
         if not self.sync.options.shard:
             self.optimizer = self.optimizer_class(list(st.params.values()), **self.kwargs)
             return
@@ -113,8 +118,7 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none)
-        state = getattr(getattr(self.model, "grad_sync", self.model), "state", None)
-        for p in state.params.values() if state else []:
+        for p in self.model.parameters():
             p.grad = None
 
     def state_dict(self):

@@ -30,7 +30,7 @@ SCHEDULES = ("auto", "1f1b", "gpipe")
 
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
-                 ties=None, fullgraph=True, **options):
+                 ties=None, fullgraph=True, ignore_index=-100, **options):
         if plan.pp > 1 and len(split_points) != plan.pp - 1:
             raise ValueError(f"pp={plan.pp} needs {plan.pp - 1} split_points (module names that begin a "
                              f"stage, e.g. ['blocks.1']), got {list(split_points)}.")
@@ -45,7 +45,7 @@ class ParallelModel:
             raise ValueError(f"schedule='1f1b' needs microbatches >= pp ({m} < {plan.pp}): use schedule='gpipe', "
                              f"or microbatches={plan.pp} or more.")
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
-        self.fullgraph = fullgraph
+        self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.within_module_ties = shared_parameters(model)
         self.grad_sync = None
         self.module = None
@@ -54,6 +54,7 @@ class ParallelModel:
 
     def _build(self, ties, stage_module):
         self.grad_sync = GradSync(self.plan, self.options, ties)
+        self.grad_sync.explicit_steps = True  # train_step marks each step's last micro-batch
         self.ties = ties
         self.stage_module = stage_module
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
@@ -83,14 +84,20 @@ class ParallelModel:
                             split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         self._build(ties, pipe.get_stage_module(self.plan.stage))
-        stage = PipelineStage(self.module, self.plan.stage, self.plan.pp, torch.device("cpu"),
-                              group=self.plan.process_group("pp"))
-        m = self.options.microbatches
+        sync = self.grad_sync
 
-        def scaled_loss(out, target):  # each micro-batch carries 1/m of the step's mean loss
-            return self.loss_fn(out, target) / m
+        class Stage(PipelineStage):
+            # the schedule says which backward is the step's last (never counted: pipelining
+            # runs an extra shape-inference backward on its first step)
+            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+                with sync.step_boundary(last=last_backward):
+                    return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+        stage = Stage(self.module, self.plan.stage, self.plan.pp, torch.device("cpu"),
+                      group=self.plan.process_group("pp"))
         cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-        self.schedule = cls(stage, n_microbatches=m, loss_fn=scaled_loss, scale_grads=False)
+        self.schedule = cls(stage, n_microbatches=self.options.microbatches,
+                            loss_fn=lambda out, target: self._weighted_loss(out, target), scale_grads=False)
 
     def train_step(self, inputs, targets):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
@@ -107,20 +114,74 @@ class ParallelModel:
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={m}.")
         inputs, targets = self._shard_sequence(inputs, targets)
+        last_stage = self.plan.stage == self.plan.pp - 1
+        if last_stage:
+            self._total = self._global_count(targets)
         if self.plan.pp == 1:
-            total = 0.0
-            for x, y in zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m)):
-                loss = self.loss_fn(self.module(*x), y) / m
-                loss.backward()
-                total += loss.detach()
-            return total
-        if self.module is None:
-            self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
-        first, last = self.plan.stage == 0, self.plan.stage == self.plan.pp - 1
-        losses = []
-        self.schedule.step(*(inputs if first else ()), **({"target": targets, "losses": losses} if last else {}))
+            losses = []
+            for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
+                loss = self._weighted_loss(self.module(*x), y)
+                with self.grad_sync.step_boundary(last=i == m - 1):
+                    loss.backward()
+                losses.append(loss.detach())
+        else:
+            if self.module is None:
+                self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
+            first, losses = self.plan.stage == 0, []
+            self.schedule.step(*(inputs if first else ()),
+                               **({"target": targets, "losses": losses} if last_stage else {}))
         self.grad_sync.flush()
-        return sum(loss.detach() for loss in losses) if last else None
+        return self._global_loss(losses) if last_stage else None
+
+    # ---- the loss of the global batch --------------------------------------------------------
+    # NOTE: a rank sees only its share of the batch (dp), of each sequence (cp) and of each
+    # micro-batch. Averaging the ranks' own means is wrong as soon as they hold different numbers
+    # of labelled tokens (ignore_index, padding). With average=True, each micro-batch's mean loss
+    # is weighted by its labelled tokens over the global batch's, times the gradient group size
+    # (the reduction divides by it): the step's gradient is exactly that of the mean over all
+    # labelled tokens of the global batch, as in one process. With average=False, loss_fn is
+    # taken as a sum and summed, over micro-batches and ranks alike.
+    def _count(self, target) -> torch.Tensor:
+        if target.dtype.is_floating_point:  # a regression target: every element is scored
+            return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
+        return (target != self.ignore_index).sum().to(torch.float64)
+
+    def _global_count(self, targets) -> torch.Tensor | None:
+        """Labelled tokens of the global batch (None with average=False: nothing is weighted)."""
+        import torch.distributed as dist
+        if not self.options.average:
+            return None
+        total = self._count(targets)
+        if len(self.plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
+            dist.all_reduce(total, group=self.plan.process_group("grad"))
+        if total == 0:
+            raise ValueError(f"every target of this step is ignore_index={self.ignore_index}: the mean loss "
+                             "is undefined. Check the labels (or ignore_index=).")
+        return total
+
+    def _weighted_loss(self, out, target):
+        """A micro-batch's share of the step's loss, from its own targets (no call counting: pipelining
+        computes one extra loss on its first step)."""
+        if self._total is None:
+            return self.loss_fn(out, target)
+        n = self._count(target)
+        if n == 0:  # all ignored: the mean would be 0/0; contribute exact zeros instead
+            return sum(t.sum() * 0.0 for t in torch.utils._pytree.tree_leaves(out) if t.is_floating_point())
+        weight = n * len(self.plan.group_ranks("grad")) / self._total  # a tensor: no device sync
+        loss = self.loss_fn(out, target)
+        return loss * weight.to(loss.dtype)
+
+    def _global_loss(self, losses) -> torch.Tensor:
+        """The step's loss over the global batch (mean over labelled tokens, or sum), from this rank's
+        micro-batch losses: the same on every rank of the last stage."""
+        import torch.distributed as dist
+        loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
+        group_size = len(self.plan.group_ranks("grad"))
+        if self.options.average:
+            loss = loss / group_size
+        if group_size > 1:
+            dist.all_reduce(loss, group=self.plan.process_group("grad"))
+        return loss.float()
 
     def named_parameters(self):
         return (self.stage_module if self.module is not None else self.model).named_parameters()

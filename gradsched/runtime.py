@@ -5,7 +5,9 @@ stage's backward graph; it reads the ready order, plans buckets, and either
 
   placement="backward": compiles a second variant of the backward graph with
       the collectives inserted, used on the last micro-batch of each step
-      (earlier micro-batches run the plain graph and accumulate in .grad); or
+      (earlier micro-batches run the plain graph and accumulate in .grad). Which
+      backward is the last is said by the caller (`step_boundary`), from the
+      schedule, never counted; or
   placement="flush": compiles a standalone sync graph, run once per step after
       the pipeline schedule has drained (`flush()`).
 
@@ -15,6 +17,7 @@ run a hazard.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx as fx
+from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes import GradSpec, SyncSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, \
@@ -71,8 +75,25 @@ class GradSync:
                 "backward would wait on the other stage before sending its input gradient. Use "
                 "placement='flush' (the default for pp > 1).")
         self.state: StageSync | None = None
-        self.backward_calls = 0
+        # explicit_steps: a driver (ParallelModel.train_step) marks the last micro-batch's backward
+        # with step_boundary(); without one (the backend by name), every backward ends a step
+        self.explicit_steps = False
+        self._last_microbatch = False
+        self.backward_calls = 0  # for reports and tests only: nothing is decided by counting
         self.sync_runs = 0  # executions of the sync graph: once per optimizer step
+
+    @contextlib.contextmanager
+    def step_boundary(self, last: bool):
+        """Backward passes run inside belong to the step's last micro-batch (last=True) or not."""
+        self.explicit_steps, before = True, self._last_microbatch
+        self._last_microbatch = last
+        try:
+            yield
+        finally:
+            self._last_microbatch = before
+
+    def _ends_step(self) -> bool:
+        return self._last_microbatch if self.explicit_steps else True
 
     # ---- groups and specs ---------------------------------------------------------------
     def grad_group(self):
@@ -116,6 +137,7 @@ class GradSync:
                               # keeps ready order, where #844 bites.
                               align_ties=self.options.mode != "unsafe_rs_first")
         self.state = StageSync(ready, layout, params)
+        attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())
         compiled = compile_graph(bw_gm, example_inputs, self.options.compiler)
@@ -133,12 +155,16 @@ class GradSync:
         insert_grad_sync(sync_gm, self._spec(layout, {r.name: r.output_index for r in ready}, accumulate))
         _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync")
         record = sync_gm.meta[META_KEY]
-        extra = [torch.zeros(params[n].shape, dtype=params[n].dtype) for n in record.acc_inputs]
+        extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
+                 for n in record.acc_inputs]
+        fake = detect_fake_mode(example_inputs)
+        if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
+            extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
         self.state.sync_gm = sync_gm
         self.state.sync_fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler)
 
         def backward(args):
-            if (self.backward_calls + 1) % self.options.microbatches:
+            if not self._ends_step():
                 return plain(args)
             self.backward_calls += 1
             acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
@@ -164,10 +190,16 @@ class GradSync:
             st.sync_fn = compile_graph(st.sync_gm, examples, self.options.compiler)
         self._check_once()
         grads = [_grad_or_zeros(st.params[r.name]) for r in st.ready]
-        st.results = list(st.sync_fn(grads))
+        outs = list(st.sync_fn(grads))
         self.sync_runs += 1
-        for r in st.ready:
-            st.params[r.name].grad = None
+        if self.options.shard:  # the shards are the gradients now; .grad would be stale
+            st.results = outs
+            for r in st.ready:
+                st.params[r.name].grad = None
+        else:  # all-reduced: each parameter's .grad is its view of the reduced bucket
+            st.results = outs[len(st.ready):]
+            for r, g in zip(st.ready, outs):
+                st.params[r.name].grad = g
 
     def _build_flush_graph(self, st: StageSync) -> fx.GraphModule:
         g, fake = fx.Graph(), FakeTensorMode()
@@ -180,9 +212,10 @@ class GradSync:
         gm = fx.GraphModule(torch.nn.Module(), g)
         insert_grad_sync(gm, self._spec(st.layout, {r.name: i for i, r in enumerate(st.ready)}, False))
         record = gm.meta[META_KEY]
-        out = gm.graph.output_node()
-        out.args = (tuple(out.args[0][record.n_outputs:]),)  # the flush graph returns the buckets only
-        gm.recompile()
+        if self.options.shard:  # the gradient outputs are None: return the shards only
+            out = gm.graph.output_node()
+            out.args = (tuple(out.args[0][record.n_outputs:]),)
+            gm.recompile()
         _maybe_print(gm, f"stage {self.stage} flush graph, after insert_grad_sync")
         return gm
 
@@ -198,11 +231,12 @@ class GradSync:
             bucket, slot = st.layout.locate(name)
             layouts[tie.key] = TieLayout(self.plan.rank, name, bucket.index, slot.offset, slot.numel,
                                          bucket.numel, st.layout.shards)
-        peers = {}
+        peers, sequences = {}, {}
         if self.options.check_ranks:
-            peers = fingerprint.exchange_and_check(self, st.sync_gm, layouts)
+            peers, sequences = fingerprint.exchange_and_check(self, st.sync_gm, layouts)
         ties = [TieCheck(t.key, record.spec.tie_groups[t.key], record.sources[n],
-                         [layouts[t.key]] + peers.get(t.key, [])) for n, t in self.ties.items()]
+                         [layouts[t.key]] + peers.get(t.key, []), sequences.get(t.key, {}))
+                for n, t in sorted(self.ties.items(), key=lambda kv: kv[1].key)]
         st.verdict = verify_graph(st.sync_gm, ties, self.plan.rank)
         if self.options.dump_dir:
             os.makedirs(self.options.dump_dir, exist_ok=True)
@@ -233,6 +267,21 @@ class GradSync:
 
     def tied_bytes_per_step(self) -> int:
         return report.tied_bytes(self._require_state().sync_gm)
+
+
+def attach(sync: GradSync, params) -> None:
+    """Remember which GradSync reduces these parameters (the optimizer finds it from them)."""
+    for p in params:
+        p._gradsched_sync = sync
+
+
+def sync_of(params) -> GradSync | None:
+    """The GradSync that reduces these parameters' gradients, if a gradsched backend compiled them."""
+    found = {id(s): s for s in (getattr(p, "_gradsched_sync", None) for p in params) if s is not None}
+    if len(found) > 1:
+        raise RuntimeError("gradsched: these parameters are reduced by several compiled models; build one "
+                           "DistributedOptimizer per compiled model.")
+    return next(iter(found.values()), None)
 
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:

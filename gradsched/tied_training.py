@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+from .tiny_gpt import GPTConfig, TinyGPT, lm_loss, lm_loss_sum, make_batch
 
 
 @dataclass
@@ -37,18 +37,44 @@ class Job:
     rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
     ties: list | None = None  # explicit tie declaration (override); None: discover
     capture_code: bool = False  # return the code Inductor generates during the first step
+    optimizer: str = "adamw"  # or "sgd": its update is the gradient itself, so scale errors show
+    labels: str = "full"  # "padded": right padding with ignore_index, some sequences (and a micro-batch) empty
+    loss: str = "mean"  # "sum": lm_loss_sum, for average=False
+    variant: str = ""  # tiny_gpt only: "untied" (no tie at all), "hidden_tie" (blocks.1.proj = blocks.0.proj too)
+
+    @property
+    def loss_fn(self):
+        return lm_loss_sum if self.loss == "sum" else lm_loss
+
+
+# right padding per sequence of a batch of 8: two whole sequences are padding (one micro-batch of
+# a dp rank holds nothing but ignore_index), the others differ in length
+PAD_TAIL = (0, 5, 3, 16, 16, 16, 9, 1)
 
 
 def batch(job: Job, step: int):
     k = step % job.data_batches if job.data_batches else step
-    return make_batch(job.global_batch, job.config, seed=job.seed + 1 + k)
+    x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + k)
+    if job.labels == "padded":
+        y = y.clone()
+        for i in range(len(y)):
+            pad = min(PAD_TAIL[(i + step) % len(PAD_TAIL)], y.shape[1])
+            y[i, y.shape[1] - pad:] = -100
+    return x, y
 
 
 def build_model(job: Job):
     """(model, split points) with the job's seed: the same weights in every process."""
     torch.manual_seed(job.seed)
     if job.model == "tiny_gpt":
-        return TinyGPT(job.config), list(job.split_points)
+        model = TinyGPT(job.config)
+        if job.variant == "untied":
+            model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+        elif job.variant == "hidden_tie":  # a second tie between the same two stages
+            model.blocks[1].proj.weight = model.blocks[0].proj.weight
+        elif job.variant:
+            raise ValueError(f"unknown tiny_gpt variant {job.variant!r}")
+        return model, list(job.split_points)
     from .hf import MODELS
     c = job.config
     return MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
@@ -58,21 +84,27 @@ def optimizer_kwargs(job: Job) -> dict:
     return {"lr": job.lr, "weight_decay": 0.1}
 
 
+def optimizer_class(job: Job):
+    return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[job.optimizer]
+
+
 def reference(job: Job) -> dict:
     """Unsplit model, one process: losses per step and every parameter by every name it has."""
     model, _ = build_model(job)
-    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
-    losses = []
+    opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
+    losses, grads = [], {}
     for step in range(job.steps):
         x, y = batch(job, step)
-        loss = lm_loss(model(x), y)
+        loss = job.loss_fn(model(x), y)
         loss.backward()
+        if step == 0:  # every name a parameter has, tied names included (one Parameter, one gradient)
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     from .ties import shared_parameters
-    return {"losses": losses, "params": params, "aliases": shared_parameters(model)}
+    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model)}
 
 
 def rank_main(rank: int, world: int, job: Job) -> dict:
@@ -82,11 +114,12 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp, cp=job.cp)
     opts = {**job.options, **job.rank_options.get(rank, {})}
     model, split_points = build_model(job)
-    model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=lm_loss,
+    model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=job.loss_fn,
                                   split_points=split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
-    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
+    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
     _, dp_idx, cp_idx = plan.coords()
+    grads = None
     per_rank = job.global_batch // job.dp
     losses, times, code = [], [], []
     for step in range(job.steps):
@@ -98,6 +131,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
             loss, code = run_and_get_code(model.train_step, x[sl], y[sl])
         else:
             loss = model.train_step(x[sl], y[sl])
+        if step == 0:
+            grads = reduced_gradients(model.grad_sync)
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -116,9 +151,56 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "tied_bytes_per_step": sync.tied_bytes_per_step(),
         "within_module_ties": model.within_module_ties,
         "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls,
-        "code": code,
+        "code": code, "grads": grads,
         "sync_graph_ops": [str(n.target) for n in sync.state.sync_gm.graph.nodes if n.op == "call_function"],
     }
+
+
+def rank_jobs(rank: int, world: int, jobs: list) -> list:
+    """Several jobs in one set of processes (start-up dominates small jobs): each job's result,
+    or ("error", text) for a job that failed on this rank."""
+    import traceback
+    out = []
+    for job in jobs:
+        torch._dynamo.reset()  # a fresh model per job: no cache limit, no guards from the last one
+        try:
+            out.append(rank_main(rank, world, job))
+        except Exception as e:  # noqa: BLE001 - reported to the test, which names the job
+            out.append(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    return out
+
+
+def reduced_gradients(sync) -> dict:
+    """What this rank holds after a step's gradient sync (a GradSync): its reduced shard of every bucket
+    (shard=True) with the layout to read it, or every parameter's .grad (shard=False)."""
+    if not sync.options.shard:
+        return {"full": {n: p.grad.detach().clone() for n, p in sync.state.params.items()}}
+    _, ranks, me = sync.grad_group()
+    return {"shards": [r.detach().clone() for r in sync.results], "shard_index": me, "shards_n": len(ranks),
+            "buckets": [(b.numel, [(s.name, s.offset, s.numel) for s in b.slots]) for b in sync.layout.buckets]}
+
+
+def gradient_error(ref: dict, ranks: list[dict]) -> float:
+    """Max |reduced gradient - reference gradient| over every rank, relative to max |reference gradient|.
+
+    The reference is the unsplit model's .grad after one backward over the global batch; each rank's
+    shard is compared with the matching slice of the reference's gradients laid out as its bucket."""
+    scale = max(g.abs().max().item() for g in ref["grads"].values())
+    worst = 0.0
+    for r in ranks:
+        got = r["grads"]
+        if "full" in got:
+            for name, g in got["full"].items():
+                worst = max(worst, (g.double() - ref["grads"][name].double()).abs().max().item())
+            continue
+        for shard, (numel, slots) in zip(got["shards"], got["buckets"]):
+            flat = torch.zeros(numel, dtype=torch.float64)
+            for name, offset, n in slots:
+                flat[offset:offset + n] = ref["grads"][name].double().reshape(-1)
+            size = numel // got["shards_n"]
+            want = flat[got["shard_index"] * size:(got["shard_index"] + 1) * size]
+            worst = max(worst, (shard.double() - want).abs().max().item())
+    return worst / scale
 
 
 def compare(ref: dict, ranks: list[dict]) -> dict:

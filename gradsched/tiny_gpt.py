@@ -72,6 +72,11 @@ def lm_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # fp32 loss, as usual in bf16
 
 
+def lm_loss_sum(logits, targets):
+    """Summed over tokens: what average=False (gradients summed, not averaged) trains."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")
+
+
 def make_batch(n: int, c: GPTConfig, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, c.vocab, (n, c.seq + 1), generator=g)

@@ -25,8 +25,14 @@ After the pass: synced gradients' outputs are None (shard=True) or views of
 the all-reduced bucket (shard=False); one extra output per bucket, appended,
 holds its reduced shard (or full bucket). With `accumulate`, one input per
 synced gradient is appended (gradients of earlier micro-batches), added
-before any collective. Collectives are issued in bucket order, tied ones
-inside their bucket's block, so every rank issues them in the same order.
+before any collective.
+
+Order (every rank of a group issues the same collectives in the same order, matched
+by identity): data-parallel reductions in bucket order (one layout per stage); tie
+all-reduces in tie-key order on every member, whatever order the gradients become
+ready in (tied_first: before the buckets; the other modes: after them). Each
+collective's tag carries its identity (the tie key, or the bucket's slot list) for
+the cross-rank fingerprint and the verifier.
 """
 from __future__ import annotations
 
@@ -81,16 +87,42 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> fx.GraphModule:
                 record.acc_inputs.append(s.name)
                 record.sources[s.name].append(acc[s.name].name)
 
+    position = lambda: {n: i for i, n in enumerate(gm.graph.nodes)}  # noqa: E731
     cursor = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
+    slots = [s for bucket in spec.layout.buckets for s in bucket.slots]
+    # NOTE: tie collectives go in ONE order on every member: sorted by tie key, never by
+    # this stage's ready order (two ties between one stage pair come ready in opposite
+    # orders on the two stages; matched by position they would sum unrelated tensors).
+    tied = sorted((s for s in slots if s.tie), key=lambda s: s.tie)
+    local = {}  # parameter name -> its local gradient, flat, in the bucket's dtype
+    if spec.mode == "tied_first":
+        for s in tied:  # each tie all-reduce once its gradient is ready and the previous one issued
+            pos = position()
+            anchor = max([grads[s.name], cursor], key=pos.__getitem__)
+            with gm.graph.inserting_before(anchor.next):
+                local[s.name] = _tie_reduce(b, spec, _local_grad(b, spec, s, grads, acc), s, "tie_all_reduce",
+                                            (0, s.numel))
+            cursor = local[s.name]
+
     results = []
     for bucket in spec.layout.buckets:
         # a bucket's block starts once its last gradient is ready, and after the
         # previous bucket's block: collectives keep bucket order on every rank
-        position = {n: i for i, n in enumerate(gm.graph.nodes)}
-        anchor = max([grads[s.name] for s in bucket.slots] + [cursor], key=position.__getitem__)
+        pos = position()
+        anchor = max([local.get(s.name, grads[s.name]) for s in bucket.slots] + [cursor], key=pos.__getitem__)
         with gm.graph.inserting_before(anchor.next):  # keeps inserted nodes in creation order
-            results.append(_sync_bucket(b, spec, bucket, grads, acc))
+            results.append(_reduce_bucket(b, spec, bucket, grads, acc, local))
         cursor = results[-1]
+
+    if spec.shard and spec.mode != "tied_first":  # the tie all-reduces after the reductions, in tie order
+        index = {bk.index: i for i, bk in enumerate(spec.layout.buckets)}
+        with gm.graph.inserting_before(cursor.next):
+            if spec.mode == "shard_aligned":
+                for s in tied:
+                    i = index[spec.layout.locate(s.name)[0].index]
+                    results[i] = _tie_reduce_owned_shard(b, spec, s, results[i])
+            else:
+                results = _unsafe_tie_reduce_after(b, spec, tied, results, index)
     record.results = [r.name for r in results]
 
     for name, i in spec.grad_outputs.items():
@@ -112,55 +144,66 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> fx.GraphModule:
     return gm
 
 
-def _sync_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc) -> fx.Node:
-    names = [s.name for s in bucket.slots]
+def _slot_ids(bucket: Bucket) -> list:
+    """A bucket's identity as every rank of the gradient group must see it."""
+    return [[s.name, s.offset, s.numel] for s in bucket.slots]
+
+
+def _local_grad(b: GraphBuilder, spec: SyncSpec, s, grads, acc) -> fx.Node:
+    bucket = spec.layout.locate(s.name)[0]
+    g = grads[s.name]
+    if s.name in acc:
+        g = b.call(aten.add.Tensor, g, acc[s.name])
+    return b.flat(g, bucket.dtype)
+
+
+def _tie_reduce(b: GraphBuilder, spec: SyncSpec, x: fx.Node, s, role: str, elems) -> fx.Node:
+    bucket = spec.layout.locate(s.name)[0]
+    tag = {"role": role, "bucket": bucket.index, "params": [s.name], "group": spec.tie_groups[s.tie],
+           "group_kind": f"tie:{s.tie}", "tie": s.tie, "elements": elems, "identity": f"tie {s.tie}"}
+    return b.collective("all_reduce", x, spec.tie_groups[s.tie], 0, tag)
+
+
+def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, local) -> fx.Node:
     kind = "reduce_scatter" if spec.shard else "all_reduce"
-    dp_tag = {"role": "dp_reduce", "bucket": bucket.index, "params": names, "group": spec.group,
-              "group_kind": "grad"}
-
-    def tie_reduce(x, s, role, elems):
-        tag = {"role": role, "bucket": bucket.index, "params": [s.name], "group": spec.tie_groups[s.tie],
-               "group_kind": f"tie:{s.tie}", "tie": s.tie, "elements": elems}
-        return b.collective("all_reduce", x, spec.tie_groups[s.tie], 0, tag)
-
-    parts = []
-    for s in bucket.slots:
-        g = grads[s.name]
-        if s.name in acc:
-            g = b.call(aten.add.Tensor, g, acc[s.name])
-        g = b.flat(g, bucket.dtype)
-        if s.tie and spec.mode == "tied_first":
-            g = tie_reduce(g, s, "tie_all_reduce", (0, s.numel))
-        parts.append(g)
-    pad = bucket.numel - (bucket.slots[-1].offset + bucket.slots[-1].numel)
-    if pad:
-        parts.append(b.call(aten.zeros.default, [pad], dtype=bucket.dtype, device=parts[0].meta["val"].device))
+    dp_tag = {"role": "dp_reduce", "bucket": bucket.index, "params": [s.name for s in bucket.slots],
+              "group": spec.group, "group_kind": "grad", "identity": _slot_ids(bucket)}
+    parts = [local[s.name] if s.name in local else _local_grad(b, spec, s, grads, acc) for s in bucket.slots]
     flat = b.call(aten.cat.default, parts) if len(parts) > 1 else parts[0]
+    pad = bucket.numel - (bucket.slots[-1].offset + bucket.slots[-1].numel)
+    if pad:  # constant_pad_nd: an op Inductor lowers after decomposition (aten.zeros is not)
+        flat = b.call(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
     if spec.average and spec.group_size > 1:
         flat = b.call(aten.mul.Tensor, flat, 1.0 / spec.group_size)
-    out = b.collective(kind, flat, spec.group, spec.group_size, dp_tag)
-    if not spec.shard or spec.mode == "tied_first":
-        return out
+    return b.collective(kind, flat, spec.group, spec.group_size, dp_tag)
 
-    size = bucket.shard_numel(spec.group_size)
-    start = spec.shard_rank * size
-    if spec.mode == "shard_aligned":
-        for s in bucket.slots:
-            if not s.tie:
-                continue
-            lo, hi = owned_range(bucket.numel, s.offset, s.numel, spec.group_size, spec.shard_rank)
-            if lo == hi:
-                continue  # aligned layouts: the other members own none of it either
-            a, z = s.offset + lo - start, s.offset + hi - start
-            piece = tie_reduce(b.call(aten.slice.Tensor, out, 0, a, z), s, "tie_all_reduce_shard", (lo, hi))
-            out = b.call(aten.slice_scatter.default, out, piece, 0, a, z)
-        return out
 
-    # unsafe_rs_first: the #844 order, on purpose
-    buf = b.call(aten.slice_scatter.default, flat, out, 0, start, start + size)
-    for s in bucket.slots:
-        if s.tie:
-            view = b.call(aten.slice.Tensor, buf, 0, s.offset, s.offset + s.numel)
-            view = tie_reduce(view, s, "tie_all_reduce", (0, s.numel))
-            buf = b.call(aten.slice_scatter.default, buf, view, 0, s.offset, s.offset + s.numel)
-    return b.call(aten.slice.Tensor, buf, 0, start, start + size)
+def _tie_reduce_owned_shard(b: GraphBuilder, spec: SyncSpec, s, out: fx.Node) -> fx.Node:
+    """shard_aligned: all-reduce over the tie group only the part of the tied gradient this shard owns."""
+    bucket = spec.layout.locate(s.name)[0]
+    start = spec.shard_rank * bucket.shard_numel(spec.group_size)
+    lo, hi = owned_range(bucket.numel, s.offset, s.numel, spec.group_size, spec.shard_rank)
+    if lo == hi:
+        return out  # aligned layouts: the other members own none of it either
+    a, z = s.offset + lo - start, s.offset + hi - start
+    piece = _tie_reduce(b, spec, b.call(aten.slice.Tensor, out, 0, a, z), s, "tie_all_reduce_shard", (lo, hi))
+    return b.call(aten.slice_scatter.default, out, piece, 0, a, z)
+
+
+def _unsafe_tie_reduce_after(b: GraphBuilder, spec: SyncSpec, tied, results, index) -> list:
+    """unsafe_rs_first, the #844 order on purpose: write each reduced shard back into this rank's
+    unreduced bucket, all-reduce the tied weight's full view of it, keep the owned shard."""
+    results, bufs = list(results), {}
+    for s in tied:
+        bucket = spec.layout.locate(s.name)[0]
+        i = index[bucket.index]
+        size = bucket.shard_numel(spec.group_size)
+        start = spec.shard_rank * size
+        if i not in bufs:
+            flat = results[i].args[0].args[0]  # wait_tensor(reduce_scatter(flat, ...))
+            bufs[i] = b.call(aten.slice_scatter.default, flat, results[i], 0, start, start + size)
+        view = b.call(aten.slice.Tensor, bufs[i], 0, s.offset, s.offset + s.numel)
+        view = _tie_reduce(b, spec, view, s, "tie_all_reduce", (0, s.numel))
+        bufs[i] = b.call(aten.slice_scatter.default, bufs[i], view, 0, s.offset, s.offset + s.numel)
+        results[i] = b.call(aten.slice.Tensor, bufs[i], 0, start, start + size)
+    return results

@@ -10,6 +10,11 @@ For each tie, over the graph's data-flow (networkx reachability), it proves one 
       data-parallel rank k owns the same elements on every stage), which makes
       reducing first and summing the owned shard afterwards exact.
 
+and, given every member's sequence of tie-group collectives (exchanged at run
+time by the cross-rank check, or read from every rank's dump), that each of
+this tie's all-reduces meets the same tie on every member: collectives match
+by position, so an all-reduce that meets another tie sums unrelated tensors.
+
 Otherwise it reports a hazard naming the parameters, buckets, offsets and
 ranks (Megatron-LM #844). It reads graphs only; it changes nothing.
 
@@ -55,6 +60,9 @@ class TieCheck:
     group: str  # the tie group's name in the graph's collectives
     sources: list[str]  # nodes holding this rank's local tied gradient
     layouts: list[TieLayout]  # this rank's first, then the other members'
+    # member rank -> identities of the tie group's collectives in its issue order (this rank's too);
+    # empty: not exchanged (check_ranks=False), so the meeting is unproven
+    sequences: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -102,7 +110,8 @@ def _tie_json(t: TieCheck) -> dict:
 
 
 def _tie_from_json(d: dict) -> TieCheck:
-    return TieCheck(d["tie"], d["group"], list(d["sources"]), [TieLayout(**lay) for lay in d["layouts"]])
+    return TieCheck(d["tie"], d["group"], list(d["sources"]), [TieLayout(**lay) for lay in d["layouts"]],
+                    {int(r): seq for r, seq in (d.get("sequences") or {}).items()})
 
 
 def to_nx(graph) -> nx.DiGraph:
@@ -142,6 +151,8 @@ def _verify_tie(G: nx.DiGraph, tie: TieCheck, v: Verdict) -> None:
         v.hazards.append(f"tie {tie.tie}: the tied gradient is never all-reduced over its tie group "
                          f"{tie.group}: the stages' copies would drift apart.")
         return
+    if not _meets_itself(tie, v):
+        return
     cut = G.subgraph([n for n in G if n not in tie_nodes])
     readers = [r for r in reductions if any(nx.has_path(G, s, r) for s in sources)]
     unordered = [r for r in readers if any(nx.has_path(cut, s, r) for s in sources)]
@@ -166,6 +177,26 @@ def _verify_tie(G: nx.DiGraph, tie: TieCheck, v: Verdict) -> None:
         "shards (Megatron-LM #844). Use mode='tied_first' (the default) or 'shard_aligned'.")
 
 
+def _meets_itself(tie: TieCheck, v: Verdict) -> bool:
+    """Each all-reduce of this tie is at the same position on every member, meeting this tie there."""
+    if not tie.sequences:
+        return True
+    me = tie.layouts[0].rank
+    ident = f"tie {tie.tie}"
+    mine = [i for i, k in enumerate(tie.sequences.get(me, [])) if k == ident]
+    for rank, seq in sorted(tie.sequences.items()):
+        theirs = [i for i, k in enumerate(seq) if k == ident]
+        if theirs != mine:
+            clash = next((i for i in mine if i >= len(seq) or seq[i] != ident), None)
+            met = "nothing" if clash is None or clash >= len(seq) else repr(seq[clash])
+            v.hazards.append(
+                f"tie {tie.tie}: its all-reduce #{clash} on the tie group {tie.group} meets {met} on rank {rank} "
+                f"(rank {me} issues it at positions {mine}, rank {rank} at {theirs}): the copies would be summed "
+                "with a different tensor. Every member must issue its tie collectives in one order (tie key).")
+            return False
+    return True
+
+
 def check(graph, ties: list[TieCheck], rank: int = 0) -> Verdict:
     """verify_graph, raising TiedGradientHazard on a hazard."""
     verdict = verify_graph(graph, ties, rank)
@@ -187,16 +218,20 @@ def load_dumps(paths: list[str]) -> list[dict]:
 def verify_dumps(dumps: list[dict]) -> list[Verdict]:
     """Verify each rank's dump, completing its ties' layouts with the other ranks' dumps."""
     by_tie: dict[tuple[str, str], list[TieLayout]] = {}  # (tie, group): one per member
+    sequences: dict[tuple[str, str], dict] = {}  # (tie, group): member rank -> tie identities in issue order
     for d in dumps:
         for t in d["ties"]:
             by_tie.setdefault((t["tie"], t["group"]), []).extend(TieLayout(**lay) for lay in t["layouts"][:1])
+            sequences.setdefault((t["tie"], t["group"]), {})[d["rank"]] = [
+                (n.get("tag") or {}).get("identity") for n in d["nodes"] if n["group"] == t["group"]]
     verdicts = []
     for d in dumps:
         ties = []
         for t in map(_tie_from_json, d["ties"]):
             known = {lay.rank for lay in t.layouts}
             ties.append(TieCheck(t.tie, t.group, t.sources,
-                                 t.layouts + [lay for lay in by_tie[t.tie, t.group] if lay.rank not in known]))
+                                 t.layouts + [lay for lay in by_tie[t.tie, t.group] if lay.rank not in known],
+                                 sequences[t.tie, t.group]))
         verdicts.append(verify_graph(d, ties, d["rank"]))
     return verdicts
 

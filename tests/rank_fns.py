@@ -2,7 +2,8 @@
 import torch
 
 import gradsched
-from gradsched.tied_training import Job, optimizer_kwargs
+from gradsched.runtime import sync_of
+from gradsched.tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
 from gradsched.tiny_gpt import TinyGPT, lm_loss, make_batch
 
 
@@ -17,22 +18,37 @@ def plan_errors(rank, world):
     return out
 
 
-def compile_with_backend_name(rank, world, job: Job):
-    """Plain data parallel through torch.compile(backend="gradsched") and an ordinary optimizer."""
+def compile_with_backend_name(rank, world, job: Job, options: dict, distributed_optimizer: bool):
+    """Data parallel through torch.compile(backend="gradsched"), with the README's optimizer for the options."""
     plan = gradsched.ParallelPlan.from_world(pp=1)
     torch.manual_seed(job.seed)
     model = TinyGPT(job.config)
-    compiled = torch.compile(model, backend="gradsched", fullgraph=True,
-                             options={"plan": plan, "compiler": "eager", "shard": False})
-    opt = torch.optim.AdamW(model.parameters(), **optimizer_kwargs(job))
-    per = job.global_batch // world
+    compiled = torch.compile(model, backend="gradsched", fullgraph=True, options={"plan": plan, **options})
+    if distributed_optimizer:  # found from the compiled model's parameters
+        opt = gradsched.DistributedOptimizer(compiled, optimizer_class(job), **optimizer_kwargs(job))
+    else:
+        opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
+    per, grads = job.global_batch // world, None
     for step in range(job.steps):
         x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
         lm_loss(compiled(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
+        if step == 0:
+            grads = reduced_gradients(sync_of(model.parameters()))
         opt.step()
         opt.zero_grad()
-    return {"rank": rank, "stage": 0, "dp_idx": rank, "ties": [],
+    return {"rank": rank, "stage": 0, "dp_idx": rank, "ties": [], "grads": grads,
             "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def backend_name_refusal(rank, world, options: dict):
+    plan = gradsched.ParallelPlan.from_world(pp=1)
+    compiled = torch.compile(TinyGPT(), backend="gradsched", fullgraph=True, options={"plan": plan, **options})
+    x, y = make_batch(2, TinyGPT().config)
+    try:
+        lm_loss(compiled(x), y).backward()
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def decorated_class(rank, world, job: Job):
@@ -77,3 +93,16 @@ def hand_written_attention_under_cp(rank, world):
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def padded_sequence_under_cp(rank, world, seq: int):
+    """A batch of length `seq` padded with cp_layout.pad_to_multiple (labels with ignore_index) under cp."""
+    from gradsched.cp_layout import pad_to_multiple
+    from gradsched.tiny_gpt import GPTConfig
+    plan = gradsched.ParallelPlan.from_world(cp=world)
+    torch.manual_seed(0)
+    model = gradsched.parallelize(TinyGPT(GPTConfig(seq=16)), plan=plan, loss_fn=lm_loss, compiler="eager")
+    x, y = make_batch(4, GPTConfig(seq=seq), seed=1)
+    multiple = 2 * world
+    loss = model.train_step(pad_to_multiple(x, multiple), pad_to_multiple(y, multiple, value=-100))
+    return {"loss": float(loss), "grads": reduced_gradients(model.grad_sync), "rank": rank}

@@ -1,8 +1,8 @@
 """Training under context parallelism matches the unsplit model in one process (fp32)."""
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, rank_main, reference
+from gradsched.tied_training import Job, compare, gradient_error, rank_main, reference
 
-from rank_fns import hand_written_attention_under_cp
+from rank_fns import hand_written_attention_under_cp, padded_sequence_under_cp
 
 
 def assert_matches(job, ranks):
@@ -31,3 +31,20 @@ def test_pp2_by_cp2_with_the_tied_head_matches_the_single_process_reference():
 def test_hand_written_attention_under_cp_stops_with_the_module_named():
     msg = run_ranks(hand_written_attention_under_cp, 2)[0]
     assert msg.startswith("NotImplementedError") and "silently wrong" in msg and "softmax" in msg
+
+
+def test_a_sequence_padded_for_cp_gives_the_loss_and_gradients_of_the_unpadded_one():
+    """pad_to_multiple puts every pad at the end, on some CP ranks only; the loss is still the
+    mean over the global batch's labelled tokens, as in one process without the pads."""
+    import torch
+    from gradsched.tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+    ranks = run_ranks(padded_sequence_under_cp, 2, 14, timeout_s=200)
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(seq=16))
+    x, y = make_batch(4, GPTConfig(seq=14), seed=1)
+    loss = lm_loss(model(x), y)
+    loss.backward()
+    ref = {"grads": {n: p.grad for n, p in model.named_parameters(remove_duplicate=False)}}
+    for r in ranks:
+        assert abs(r["loss"] - loss.item()) <= 1e-6 * loss.item()
+    assert gradient_error(ref, ranks) < 1e-5

@@ -3,9 +3,11 @@ import subprocess
 import sys
 
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, reference
+import pytest
 
-from rank_fns import compile_with_backend_name, decorated_class
+from gradsched.tied_training import Job, compare, gradient_error, reference
+
+from rank_fns import backend_name_refusal, compile_with_backend_name, decorated_class
 
 
 def test_backend_is_registered_by_name_without_importing_gradsched():
@@ -14,10 +16,22 @@ def test_backend_is_registered_by_name_without_importing_gradsched():
     assert out.split() == ["True", "False"]
 
 
-def test_torch_compile_with_backend_name_trains_plain_data_parallel_like_one_process():
-    job = Job(pp=1, dp=2)
-    cmp = compare(reference(job), run_ranks(compile_with_backend_name, 2, job, timeout_s=200))
+@pytest.mark.parametrize("options,distributed_optimizer", [
+    ({"compiler": "eager"}, True),  # the defaults: shard=True, the distributed optimizer found from the model
+    ({"shard": False}, False),  # plain data parallel, an ordinary optimizer, Inductor
+], ids=["default_options_distributed_optimizer", "all_reduce_ordinary_optimizer_inductor"])
+def test_torch_compile_with_backend_name_trains_like_one_process(options, distributed_optimizer):
+    job = Job(pp=1, dp=2, optimizer="sgd", lr=0.5)
+    ref = reference(job)
+    ranks = run_ranks(compile_with_backend_name, 2, job, options, distributed_optimizer, timeout_s=300)
+    assert gradient_error(ref, ranks) < 1e-5
+    cmp = compare(ref, ranks)
     assert cmp["max_abs_diff"] < 1e-5 and cmp["uncovered"] == []
+
+
+def test_torch_compile_with_backend_name_refuses_what_only_a_driver_can_run():
+    msg = run_ranks(backend_name_refusal, 2, {"microbatches": 2})[0]
+    assert "microbatches=2" in msg and "gradsched.parallelize" in msg
 
 
 def test_decorator_on_a_model_class_trains_the_pipeline_like_one_process():

@@ -62,8 +62,26 @@ def test_collectives_are_issued_in_bucket_order():
                         bucket_mb=400 * 4 / 2**20)
     tags = [n.meta[META_KEY] for n in gm.graph.nodes if is_collective(n)]
     assert [b.index for b in layout.buckets] == [0, 1, 2]  # 300 + 300 > 400: one gradient per bucket
+    # the tie all-reduce goes as soon as its gradient is ready (here: an input), ahead of the buckets
     assert [(t["role"], t["bucket"]) for t in tags] == [
-        ("dp_reduce", 0), ("dp_reduce", 1), ("tie_all_reduce", 2), ("dp_reduce", 2)]
+        ("tie_all_reduce", 2), ("dp_reduce", 0), ("dp_reduce", 1), ("dp_reduce", 2)]
+
+
+@pytest.mark.parametrize("mode", ["tied_first", "shard_aligned", "unsafe_rs_first"])
+def test_two_ties_are_all_reduced_in_tie_key_order_whatever_their_ready_order(mode):
+    """Two stages see two ties ready in opposite orders; both issue them sorted by tie key."""
+    orders = []
+    for shapes in ({"a": (8,), "b": (8,), "w": (4,)}, {"w": (4,), "b": (8,), "a": (8,)}):
+        gm = grads_graph(shapes)
+        ready = grad_ready_order(gm, dict(enumerate(shapes)))
+        ties = {"a": "0:a~1:a", "b": "0:b~1:b"}
+        layout = plan_buckets(ready, bucket_mb=1.0, shards=2, ties=ties, align_ties=mode != "unsafe_rs_first")
+        spec = SyncSpec(layout, {n: i for i, n in enumerate(shapes)}, group="dp", group_size=2, shard_rank=0,
+                        tie_groups={"0:a~1:a": "tie", "0:b~1:b": "tie"}, mode=mode)
+        insert_grad_sync(gm, spec)
+        orders.append([n.meta[META_KEY]["tie"] for n in gm.graph.nodes
+                       if is_collective(n) and n.meta[META_KEY].get("tie")])
+    assert orders[0] == orders[1] == ["0:a~1:a", "0:b~1:b"]
 
 
 def test_every_node_keeps_a_fake_value_with_the_right_shape():
@@ -170,3 +188,46 @@ def test_average_scales_the_bucket_by_one_over_the_group_and_sum_does_not(averag
     insert_grad_sync(gm, SyncSpec(layout, {"a": 0}, group="dp", group_size=4, shard_rank=0, average=average))
     muls = [n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor]
     assert [m.args[1] for m in muls] == ([0.25] if scaled else [])
+
+
+def _two_tie_graph():
+    shapes = {"a": (8,), "b": (8,)}
+    gm = grads_graph(shapes)
+    ready = grad_ready_order(gm, dict(enumerate(shapes)))
+    ties = {"a": "0:a~1:a", "b": "0:b~1:b"}
+    layout = plan_buckets(ready, bucket_mb=1.0, shards=2, ties=ties, align_ties=True)
+    spec = SyncSpec(layout, {"a": 0, "b": 1}, group="dp", group_size=2, shard_rank=0,
+                    tie_groups={"0:a~1:a": "tie", "0:b~1:b": "tie"})
+    return insert_grad_sync(gm, spec), layout
+
+
+def test_verifier_proves_a_tie_all_reduce_meets_the_same_tie_on_every_member():
+    gm, layout = _two_tie_graph()
+    b, s = layout.locate("a")
+    mine = TieLayout(0, "a", b.index, s.offset, s.numel, b.numel, 2)
+    same = ["tie 0:a~1:a", "tie 0:b~1:b"]
+    ok = verify_graph(gm, [TieCheck("0:a~1:a", "tie", ["a"], [mine], {0: same, 2: same})], rank=0)
+    assert ok.ok
+    # the other member issues the two ties the other way round: position 0 meets tie b there
+    bad = verify_graph(gm, [TieCheck("0:a~1:a", "tie", ["a"], [mine], {0: same, 2: same[::-1]})], rank=0)
+    assert not bad.ok
+    assert "meets 'tie 0:b~1:b' on rank 2" in bad.hazards[0]
+
+
+def test_verifier_on_dumps_catches_ties_met_in_different_orders(tmp_path):
+    gm, layout = _two_tie_graph()
+    dumps = []
+    for rank, order in ((0, ["a", "b"]), (2, ["b", "a"])):
+        ties = []
+        for name in ("a", "b"):
+            b, s = layout.locate(name)
+            ties.append(TieCheck(f"0:{name}~1:{name}", "tie", [name],
+                                 [TieLayout(rank, name, b.index, s.offset, s.numel, b.numel, 2)]))
+        d = graph_to_json(gm, ties, rank)
+        if order == ["b", "a"]:  # swap the two tie all-reduces' identities, as a rank issuing b first would
+            tied = [n for n in d["nodes"] if n["group"] == "tie"]
+            tied[0]["tag"]["identity"], tied[1]["tag"]["identity"] = tied[1]["tag"]["identity"], \
+                tied[0]["tag"]["identity"]
+        (tmp_path / f"rank{rank}.json").write_text(json.dumps(d))
+        dumps.append(d)
+    assert verify_main([str(tmp_path)]) == 1

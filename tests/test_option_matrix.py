@@ -1,0 +1,108 @@
+"""Every option of the README's table, under every layout, trains like one process, gradient for gradient.
+
+Each case trains the tiny tied GPT on 4 gloo processes and compares, against the
+unsplit model trained in one process on the whole global batch:
+  - the reduced gradients of the first step (each rank's shard against the matching
+    slice of the reference's .grad, or the full .grad under shard=False), relative to
+    the largest reference gradient: scale errors (a sum for a mean, 1/microbatches
+    twice, a tie counted twice) show here, where AdamW's parameters hide them;
+  - the loss of every step (mean over the labelled tokens of the global batch);
+  - every parameter after the optimizer steps, and the tied copies bitwise equal.
+
+The eager cases run in one set of processes (start-up dominates); a representative
+slice runs again under Inductor, the default compiler. README.md lists the cases.
+"""
+import pytest
+
+from gradsched.launch import run_ranks
+from gradsched.tied_training import Job, compare, gradient_error, rank_jobs, reference
+from gradsched.tiny_gpt import GPTConfig
+
+GRAD_TOL = 1e-5  # relative to the largest gradient; fp32 summation order differs, nothing else
+TOL = 1e-5
+
+
+def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, **options):
+    return Job(pp=pp, dp=dp, cp=cp, steps=2, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
+               config=GPTConfig(vocab=vocab), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
+               options={"compiler": "eager", **options})
+
+
+CASES = {
+    # layouts: GPipe and 1F1B, micro-batches, pp=1 in the backward graph
+    "pp2_dp2_gpipe_m2": job(2, 2, microbatches=2),
+    "pp2_dp2_1f1b_m4_adamw": job(2, 2, microbatches=4, optimizer="adamw"),
+    "pp1_dp4_backward_m2": job(1, 4, microbatches=2),
+    # modes
+    "pp2_dp2_shard_aligned": job(2, 2, mode="shard_aligned", microbatches=2),
+    # two ties between one stage pair: equal sizes (silent before), unequal sizes (misleading before)
+    "pp2_dp2_two_ties_equal_sizes": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2),
+    "pp2_dp2_two_ties_unequal_sizes": job(2, 2, variant="hidden_tie", vocab=64),
+    # shard=False (plain data parallel)
+    "pp2_dp2_all_reduce": job(2, 2, shard=False, microbatches=2),
+    "pp1_dp4_all_reduce_m2": job(1, 4, shard=False, microbatches=2),
+    # placement, both ways round
+    "pp2_dp2_placement_backward_no_tie": job(2, 2, variant="untied", placement="backward", microbatches=2),
+    "pp1_dp4_placement_flush": job(1, 4, placement="flush", microbatches=2),
+    # average=False: loss_fn is a sum, gradients are summed
+    "pp1_dp4_sum": job(1, 4, loss="sum", average=False, microbatches=2),
+    "pp2_dp2_sum_all_reduce": job(2, 2, loss="sum", average=False, shard=False),
+    # buckets: many small ones, padded (a vocab of 97), another reduce dtype
+    "pp2_dp2_small_padded_buckets": job(2, 2, vocab=97, bucket_mb=0.004),
+    "pp1_dp4_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64"),
+    # context parallelism
+    "pp2_cp2_m2": job(2, 1, 2, microbatches=2),
+    "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
+    "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
+    "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
+    # checks off, graphs dumped
+    "pp2_dp2_no_rank_check_dumped": job(2, 2, check_ranks=False, dump_dir="/tmp/gradsched-matrix-dump"),
+}
+
+INDUCTOR = {  # the default compiler end to end: flush graph, backward sync variant, padding, CP
+    "inductor_pp2_dp2_padded_m2": job(2, 2, vocab=97, microbatches=2, compiler="inductor"),
+    "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
+}
+
+
+def _fix(job_):  # options that are dtypes travel as names (readable case table)
+    rd = job_.options.get("reduce_dtype")
+    if isinstance(rd, str):
+        import torch
+        job_.options["reduce_dtype"] = getattr(torch, rd)
+    return job_
+
+
+@pytest.fixture(scope="module")
+def eager_runs():
+    jobs = [_fix(j) for j in CASES.values()]
+    per_rank = run_ranks(rank_jobs, 4, jobs, timeout_s=900)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+
+
+def assert_like_one_process(job_, ranks):
+    errors = [r[1] for r in ranks if isinstance(r, tuple)]
+    assert not errors, errors[0]
+    ref = reference(job_)
+    assert gradient_error(ref, ranks) < GRAD_TOL
+    cmp = compare(ref, ranks)
+    assert cmp["missing"] == [] and cmp["uncovered"] == []
+    assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
+    for r in ranks:
+        if r["losses"][0] is not None:  # the last stage: the global batch's loss, on every rank
+            for got, want in zip(r["losses"], ref["losses"]):
+                assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    assert all(r["verifier"] == "ok" for r in ranks)
+    assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_option_and_layout_train_like_one_process(name, eager_runs):
+    assert_like_one_process(CASES[name], eager_runs[name])
+
+
+@pytest.mark.parametrize("name", list(INDUCTOR))
+def test_under_inductor_trains_like_one_process(name):
+    job_ = _fix(INDUCTOR[name])
+    (ranks,) = zip(*run_ranks(rank_jobs, 4, [job_], timeout_s=900))
+    assert_like_one_process(job_, list(ranks))
