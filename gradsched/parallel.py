@@ -102,7 +102,8 @@ class ParallelModel:
     def train_step(self, inputs, targets):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
 
-        Returns this rank's mean loss over its batch (None on pipeline stages without the loss).
+        Returns the loss of the global batch (see `_weighted_loss`), the same on every rank of the
+        last stage; None on the other pipeline stages.
         """
         try:
             return self._train_step(inputs, targets)
