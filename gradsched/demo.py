@@ -14,7 +14,7 @@ import time
 
 from gradsched.launch import run_ranks
 from gradsched.passes.verify import load_dumps, verify_dumps
-from gradsched.tied_training import Job, compare, rank_main, reference
+from gradsched.tied_training import Job, compare, gradient_error, rank_main, reference
 
 
 def say(*a):
@@ -51,15 +51,25 @@ def main(argv=None) -> int:
             say(str(v))
 
     cmp = compare(ref, ranks)
+    grad_err = gradient_error(ref, ranks)
     say("\n== against the single-process reference ==")
+    say(f"first step's reduced gradients (each rank's shard vs the reference's .grad): max error "
+        f"{grad_err:.2e} of the largest gradient")
     last = [r for r in ranks if r["losses"][0] is not None]
+    loss_ok = True
     for step, want in enumerate(ref["losses"]):
-        got = sum(r["losses"][step] for r in last) / len(last)
+        got = max((r["losses"][step] for r in last), key=lambda g: abs(g - want))
+        loss_ok &= abs(got - want) <= 1e-6 * abs(want)
         say(f"step {step + 1}: loss {got:.6f}  reference {want:.6f}  rel diff {abs(got - want) / abs(want):.2e}")
-    say(f"max |param - reference| over every parameter of every rank: {cmp['max_abs_diff']:.2e}")
+    # NOTE: after AdamW, a gradient that is rounding noise (near zero, or summed in another
+    # order) still moves its weight by up to lr per step, so the parameters are reported, not
+    # held to 1e-5: the gradients and the losses above are the exact checks.
+    say(f"max |param - reference| over every parameter of every rank after {len(ref['losses'])} AdamW steps "
+        f"(lr {job.lr}): {cmp['max_abs_diff']:.2e}")
     say(f"tied copies (stage 0 wte.weight, stage {args.pp - 1} lm_head.weight) bitwise equal: "
         f"{cmp['tied_bitwise_equal']}")
-    ok = cmp["max_abs_diff"] < 1e-5 and cmp["tied_bitwise_equal"] and all(v.ok for v in verdicts)
+    ok = grad_err < 1e-5 and loss_ok and cmp["tied_bitwise_equal"] and all(v.ok for v in verdicts) \
+        and cmp["max_abs_diff"] < 0.1 * job.lr
     say(f"\n[demo] {'OK' if ok else 'FAILED'}")
     return 0 if ok else 1
 
