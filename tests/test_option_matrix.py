@@ -62,6 +62,8 @@ CASES = {
 INDUCTOR = {  # the default compiler end to end: flush graph, backward sync variant, padding, CP
     "inductor_pp2_dp2_padded_m2": job(2, 2, vocab=97, microbatches=2, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
+    "inductor_pp2_cp2_m2": job(2, 1, 2, microbatches=2, compiler="inductor"),
+    "inductor_dp2_cp2_all_reduce": job(1, 2, 2, shard=False, compiler="inductor"),
 }
 
 
@@ -73,11 +75,20 @@ def _fix(job_):  # options that are dtypes travel as names (readable case table)
     return job_
 
 
+def _run(cases: dict) -> dict:
+    jobs = [_fix(j) for j in cases.values()]
+    per_rank = run_ranks(rank_jobs, 4, jobs, timeout_s=900)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
+
+
 @pytest.fixture(scope="module")
 def eager_runs():
-    jobs = [_fix(j) for j in CASES.values()]
-    per_rank = run_ranks(rank_jobs, 4, jobs, timeout_s=900)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(CASES)}
+    return _run(CASES)
+
+
+@pytest.fixture(scope="module")
+def inductor_runs():
+    return _run(INDUCTOR)
 
 
 def assert_like_one_process(job_, ranks):
@@ -102,7 +113,5 @@ def test_option_and_layout_train_like_one_process(name, eager_runs):
 
 
 @pytest.mark.parametrize("name", list(INDUCTOR))
-def test_under_inductor_trains_like_one_process(name):
-    job_ = _fix(INDUCTOR[name])
-    (ranks,) = zip(*run_ranks(rank_jobs, 4, [job_], timeout_s=900))
-    assert_like_one_process(job_, list(ranks))
+def test_under_inductor_trains_like_one_process(name, inductor_runs):
+    assert_like_one_process(INDUCTOR[name], inductor_runs[name])
