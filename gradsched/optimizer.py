@@ -46,6 +46,12 @@ def _all_gather(out, x, group):
     gather(out, x, group=group)
 
 
+def gather_dtype(dtypes) -> torch.dtype:
+    """The dtype a bucket's parameters are all-gathered in: theirs when they share one, else fp32."""
+    dtypes = set(dtypes)
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
+
+
 class DistributedOptimizer:
     def __init__(self, model, optimizer_class, **optimizer_kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -87,7 +93,8 @@ class DistributedOptimizer:
 
     def _flat_params(self, b) -> torch.Tensor:
         st = self.sync.state
-        flat = torch.zeros(b.numel, dtype=torch.float32)
+        device = st.params[b.slots[0].name].device
+        flat = torch.zeros(b.numel, dtype=torch.float32, device=device)
         for s in b.slots:
             flat[s.offset:s.offset + s.numel] = st.params[s.name].detach().reshape(-1).float()
         return flat
@@ -108,8 +115,11 @@ class DistributedOptimizer:
         self.optimizer.step()
         pg, ranks, _ = self.sync.grad_group()
         for b, shard in zip(st.layout.buckets, self.shards):
-            full = torch.empty(b.numel, dtype=torch.float32)
-            _all_gather(full, shard.detach(), pg)
+            # gather in the parameters' own dtype (bf16 parameters: half the bytes of fp32); the
+            # fp32 master shard stays here. A bucket of mixed dtypes gathers in fp32.
+            dtype = gather_dtype(st.params[s.name].dtype for s in b.slots)
+            full = torch.empty(b.numel, dtype=dtype, device=shard.device)
+            _all_gather(full, shard.detach().to(dtype), pg)
             for s in b.slots:
                 p = st.params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))

@@ -45,8 +45,10 @@ def schedule_report(sync) -> str:
         out.append(f"   #{i} {r['op']:<14} {names.get(r['group'], r['group']):<16} {r['dtype']:<8} "
                    f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
     if opts.shard:
+        from .optimizer import gather_dtype
         for b in st.layout.buckets:
-            out.append(f"   after step: all_gather   {names[pg.group_name]:<16} bucket {b.index} params "
+            dtype = str(gather_dtype(st.params[s.name].dtype for s in b.slots)).replace("torch.", "")
+            out.append(f"   after step: all_gather   {names[pg.group_name]:<16} {dtype:<8} bucket {b.index} params "
                        f"({b.numel} elements)")
     verdict = st.verdict
     if verdict is not None:

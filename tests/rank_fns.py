@@ -106,3 +106,33 @@ def padded_sequence_under_cp(rank, world, seq: int):
     multiple = 2 * world
     loss = model.train_step(pad_to_multiple(x, multiple), pad_to_multiple(y, multiple, value=-100))
     return {"loss": float(loss), "grads": reduced_gradients(model.grad_sync), "rank": rank}
+
+
+def bf16_parameters_gathered_in_bf16(rank, world):
+    """One AdamW step of a bf16 model under dp: the dtypes the optimizer all-gathers in, and whether
+    every parameter is exactly its fp32 master shard rounded to bf16."""
+    import gradsched.optimizer as optimizer
+    seen = []
+    gather = optimizer._all_gather
+
+    def recording(out, x, group):
+        seen.append((str(out.dtype), str(x.dtype)))
+        return gather(out, x, group)
+    optimizer._all_gather = recording
+    plan = gradsched.ParallelPlan.from_world(pp=1)
+    torch.manual_seed(0)
+    model = gradsched.parallelize(TinyGPT().to(torch.bfloat16), plan=plan, loss_fn=lm_loss, compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = make_batch(4, TinyGPT().config, seed=1)
+    model.train_step(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+    opt.step()
+    exact = True
+    st, me = model.grad_sync.state, model.grad_sync.grad_group()[2]
+    for b, shard in zip(st.layout.buckets, opt.shards):
+        size = b.shard_numel(world)
+        for s in b.slots:
+            lo, hi = max(s.offset, me * size), min(s.offset + s.numel, (me + 1) * size)
+            if lo < hi:
+                mine = st.params[s.name].detach().reshape(-1)[lo - s.offset:hi - s.offset]
+                exact &= torch.equal(mine, shard.detach()[lo - me * size:hi - me * size].to(torch.bfloat16))
+    return {"gathers": seen, "exact": exact}

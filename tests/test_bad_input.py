@@ -56,3 +56,4 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     x = torch.zeros(4, 16, dtype=torch.long)
     with pytest.raises(ValueError, match="batch of 4 does not split into microbatches=3"):
         model.train_step(x, x)
+
