@@ -24,6 +24,7 @@ from .options import SyncOptions
 from .plan import ParallelPlan
 from .runtime import GradSync
 from .ties import shared_parameters, ties_from_override, ties_from_pipe
+from .user_errors import check_split_points, in_user_code
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
 
@@ -44,6 +45,7 @@ class ParallelModel:
         if schedule == "1f1b" and m < plan.pp:
             raise ValueError(f"schedule='1f1b' needs microbatches >= pp ({m} < {plan.pp}): use schedule='gpipe', "
                              f"or microbatches={plan.pp} or more.")
+        check_split_points(model, split_points)
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.within_module_ties = shared_parameters(model)
@@ -79,9 +81,16 @@ class ParallelModel:
         # rotary embedding) otherwise becomes a wrap_with_set_grad_enabled op that export's
         # unflattener turns into a call with no arguments. The stages still run under
         # autograd; only the trace is affected.
-        with torch.no_grad():
-            pipe = pipeline(self.model, mb_args=microbatch,
-                            split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
+        try:
+            with torch.no_grad():
+                pipe = pipeline(self.model, mb_args=microbatch,
+                                split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
+        except Exception as e:  # export's message is generic; the model's own error is in the chain
+            err = in_user_code(f"splitting {type(self.model).__name__} into {self.plan.pp} pipeline stages at "
+                               f"{self.split_points} failed in the model's code", e)
+            if err is None:
+                raise
+            raise err from e
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         self._build(ties, pipe.get_stage_module(self.plan.stage))
         sync = self.grad_sync

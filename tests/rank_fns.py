@@ -136,3 +136,25 @@ def bf16_parameters_gathered_in_bf16(rank, world):
                 mine = st.params[s.name].detach().reshape(-1)[lo - s.offset:hi - s.offset]
                 exact &= torch.equal(mine, shard.detach()[lo - me * size:hi - me * size].to(torch.bfloat16))
     return {"gathers": seen, "exact": exact}
+
+
+class ShapeBugInSecondStage(TinyGPT):
+    def forward(self, idx, pos=None):
+        x = self.wte(idx)
+        for i, block in enumerate(self.blocks):
+            x = block(x)
+            if i == 1:
+                x = x @ torch.ones(7, 3)  # the user's bug, on the second stage
+        return self.lm_head(self.ln_f(x))
+
+
+def stage_error_message(rank, world, model_cls_name: str):
+    plan = gradsched.ParallelPlan.from_world(pp=2)
+    model = gradsched.parallelize(globals()[model_cls_name](), plan=plan, loss_fn=lm_loss,
+                                  split_points=["blocks.1"], compiler="eager")
+    x, y = make_batch(2, TinyGPT().config)
+    try:
+        model.train_step(x, y)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return None
