@@ -39,13 +39,22 @@ def parameter_inputs(gm: fx.GraphModule, example_inputs) -> dict[int, tuple[str,
     return found
 
 
+def _local_sequence_length(example_inputs) -> int | None:
+    """S_local of the token input ([B, S_local] integers), the dimension context parallelism splits."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.dim() == 2 and not x.dtype.is_floating_point:
+            return int(x.shape[1])
+    return None
+
+
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
     """Context parallelism: attention becomes ring steps over the plan's CP group."""
     from gradsched.passes.context_parallel import lower_attention_to_ring
     lower_attention_to_ring(gm, example_inputs, cp_group_name=plan.process_group("cp").group_name, cp=plan.cp,
                             accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance)
-    from gradsched.passes.sequence_mixing import hand_written_attention
-    local = gm.meta["context_parallel"].left_local + hand_written_attention(gm)
+    from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
+    local = gm.meta["context_parallel"].left_local + hand_written_attention(gm) + \
+        unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
     if local:
         raise NotImplementedError(
             f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "

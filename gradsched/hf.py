@@ -5,10 +5,57 @@
 positions, so they must come in explicitly (learned position tables and RoPE
 read them). The model itself is untouched: its parameters, its tied embedding
 and head (one Parameter), its SDPA attention.
+
+The adapter computes plain causal attention. A model whose attention is anything
+else (a sliding window on any layer: Mistral, Qwen2 with use_sliding_window,
+Gemma2/3's local layers; logit soft-capping; attention sinks) or a call with a
+padding mask is refused with UnsupportedAttention naming the model, the layer and
+the feature, at construction and again if HF hands such an argument to the
+attention function: it never computes a different attention silently.
 """
 from __future__ import annotations
 
 import torch.nn as nn
+
+
+class UnsupportedAttention(NotImplementedError):
+    """The model's attention is not plain causal attention, which is all this adapter computes."""
+
+
+_WHAT_TO_DO = ("gradsched.hf.CausalLM computes plain causal attention only (sliding windows, padding and "
+               "packed documents in the context-parallel ring are the issue 'Context parallelism for real "
+               "models'). Train this model without the adapter, or, if no sequence is ever longer than the "
+               "window, set the config's sliding_window to None.")
+
+
+def _layer_features(module) -> list[str]:
+    """What this attention layer computes beyond plain causal attention."""
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window  # Qwen2, Gemma: per layer, None on full-attention layers
+    else:
+        window = getattr(module.config, "sliding_window", None)  # Mistral reads it from the config per call
+    out = []
+    if window is not None:
+        out.append(f"a sliding window of {window} tokens")
+    softcap = getattr(module, "attn_logit_softcapping", None)
+    if softcap is not None:
+        out.append(f"attention logit soft-capping at {softcap}")
+    if getattr(module, "sinks", None) is not None:
+        out.append("attention sinks")
+    return out
+
+
+def check_plain_causal_attention(model: nn.Module) -> None:
+    """Refuse a model any of whose attention layers is not plain causal attention."""
+    for name, module in model.named_modules():
+        if not hasattr(module, "layer_idx") or not hasattr(module, "config") or \
+                not any(hasattr(module, a) for a in ("q_proj", "c_attn", "qkv_proj")):
+            continue
+        features = _layer_features(module)
+        if features:
+            raise UnsupportedAttention(
+                f"{type(model).__name__}: attention layer '{name}' (layer {module.layer_idx}, "
+                f"{type(module).__name__}) has {' and '.join(features)}. {_WHAT_TO_DO}")
 
 
 CAUSAL_SDPA = "gradsched_causal_sdpa"
@@ -27,6 +74,12 @@ def _register_causal_sdpa() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+        # a backstop for what the construction-time check could not see in the module
+        changed = [f"{k}={kwargs[k]!r}" for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
+        if changed:
+            raise UnsupportedAttention(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) calls attention with "
+                f"{', '.join(changed)}. {_WHAT_TO_DO}")
         kwargs.pop("is_causal", None)
         return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
 
@@ -43,11 +96,17 @@ class CausalLM(nn.Module):
 
     def __init__(self, model: nn.Module):
         super().__init__()
+        check_plain_causal_attention(model)
         _register_causal_sdpa()
         model.set_attn_implementation(CAUSAL_SDPA)
         self.model = model
 
-    def forward(self, tokens, positions=None):
+    def forward(self, tokens, positions=None, attention_mask=None):
+        if attention_mask is not None:
+            raise UnsupportedAttention(
+                f"{type(self.model).__name__}: an attention_mask (padding) was passed. {_WHAT_TO_DO} Pad on the "
+                "right and give the pads' labels ignore_index instead: causal attention never lets a real "
+                "token see a pad after it, and the loss skips them.")
         return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
 

@@ -49,15 +49,16 @@ class ParallelModel:
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.within_module_ties = shared_parameters(model)
+        self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
         self.module = None
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
 
     def _build(self, ties, stage_module):
+        self.ties = ties
         self.grad_sync = GradSync(self.plan, self.options, ties)
         self.grad_sync.explicit_steps = True  # train_step marks each step's last micro-batch
-        self.ties = ties
         self.stage_module = stage_module
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
                                     backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync))
@@ -194,7 +195,36 @@ class ParallelModel:
         return loss.float()
 
     def named_parameters(self):
-        return (self.stage_module if self.module is not None else self.model).named_parameters()
+        """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,
+        without the stale copies pipelining's split leaves (stage 0 keeps the head's tied weight under
+        its own name, never used or updated there)."""
+        if self.module is None:
+            return self.model.named_parameters()
+        stale = self._stale_names()
+        return ((n, p) for n, p in self.stage_module.named_parameters() if n not in stale)
+
+    def _stale_names(self) -> set:
+        mine = {n for t in self.ties for s, n in t.members if s == self.plan.stage}
+        return {n for t in self.ties for s, n in t.members if s != self.plan.stage} - mine
+
+    def state_dict(self) -> dict:
+        """The full, unsplit model's state dict, tied names included, with the trained values: the
+        keys and order of `model.state_dict()` in one process. Under pp > 1 every rank must call it
+        (it gathers the stages over the pipeline group)."""
+        import torch.distributed as dist
+        keys = self._keys
+        if self.module is None or self.plan.pp == 1:
+            local = (self.stage_module if self.module is not None else self.model).state_dict()
+            return {k: local[k].detach() for k in keys}
+        stale = self._stale_names()
+        local = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items() if k not in stale}
+        stages = [None] * self.plan.pp
+        dist.all_gather_object(stages, local, group=self.plan.process_group("pp"))
+        full = {k: v for stage in stages for k, v in stage.items()}
+        missing = [k for k in keys if k not in full]
+        if missing:
+            raise RuntimeError(f"gradsched: no stage holds {missing} of the model's state dict.")
+        return {k: full[k] for k in keys}
 
     def parameters(self):
         return (p for _, p in self.named_parameters())

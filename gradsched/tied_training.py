@@ -104,7 +104,8 @@ def reference(job: Job) -> dict:
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     from .ties import shared_parameters
-    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model)}
+    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model),
+            "state_keys": list(model.state_dict())}
 
 
 def rank_main(rank: int, world: int, job: Job) -> dict:
@@ -138,7 +139,9 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(None if loss is None else float(loss))
     sync = model.grad_sync
+    state = model.state_dict()  # every rank calls it: under pp > 1 it gathers the stages
     return {
+        "state_dict": state, "named_parameters": [n for n, _ in model.named_parameters()],
         "rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "cp_idx": cp_idx,
         "losses": losses, "step_times": times,
         "params": {n: p.detach().clone() for n, p in sync.state.params.items()},

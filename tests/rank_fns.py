@@ -158,3 +158,30 @@ def stage_error_message(rank, world, model_cls_name: str):
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return None
+
+
+class FlashAttnGPT(TinyGPT):
+    """TinyGPT whose blocks call flash-attn's flash_attn_func (the CPU stand-in) instead of SDPA."""
+
+    def forward(self, idx, pos=None):
+        from flash_attn_standin import flash_attn_func
+        pos = torch.arange(idx.shape[1]) if pos is None else pos
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            B, T, C = x.shape
+            q, k, v = block.qkv(block.ln1(x)).split(C, dim=2)
+            q, k, v = (t.view(B, T, block.heads, C // block.heads) for t in (q, k, v))
+            x = x + block.proj(flash_attn_func(q, k, v, causal=True).reshape(B, T, C))
+            x = x + block.out(torch.nn.functional.gelu(block.fc(block.ln2(x))))
+        return self.lm_head(self.ln_f(x))
+
+
+def flash_attn_model_under_cp(rank, world):
+    plan = gradsched.ParallelPlan.from_world(cp=world)
+    model = gradsched.parallelize(FlashAttnGPT(), plan=plan, loss_fn=lm_loss, compiler="eager")
+    x, y = make_batch(2, TinyGPT().config)
+    try:
+        model.train_step(x, y)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}"
+    return None

@@ -105,6 +105,10 @@ def assert_like_one_process(job_, ranks):
                 assert abs(got - want) <= 1e-6 * abs(want), (got, want)
     assert all(r["verifier"] == "ok" for r in ranks)
     assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
+    for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
+        assert sorted(r["named_parameters"]) == sorted(r["params"])
+        assert list(r["state_dict"]) == list(ref["state_keys"])
+        assert max((v - ref["params"][k]).abs().max().item() for k, v in r["state_dict"].items()) < TOL
 
 
 @pytest.mark.parametrize("name", list(CASES))
