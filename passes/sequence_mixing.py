@@ -126,6 +126,17 @@ def _where(node: fx.Node) -> str:
     return " <- ".join(reversed(frames[-3:])) or "unknown line"
 
 
+def _reaches_output(graph: fx.Graph) -> set:
+    """Nodes whose value reaches the graph's output."""
+    live, todo = set(), [graph.output_node()]
+    while todo:
+        n = todo.pop()
+        if n not in live:
+            live.add(n)
+            todo.extend(n.all_input_nodes)
+    return live
+
+
 def unlowered_sequence_mixing(gm: fx.GraphModule, seq_len: int | None) -> list[str]:
     """'what, node in module at line' for every op left in gm (or its subgraphs) that mixes tokens
     along the sequence; seq_len: the local sequence length, or None if unknown."""
@@ -133,7 +144,10 @@ def unlowered_sequence_mixing(gm: fx.GraphModule, seq_len: int | None) -> list[s
     for sub in gm.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
+        live = _reaches_output(sub.graph)
         for n in sub.graph.nodes:
+            if n not in live:
+                continue  # its value is never used (HF computes a packed-sequence mask it may drop)
             what = _mixes_sequence(n, seq_len)
             if what:
                 found.append(f"{what}: {n.name} in module '{module_of(n)}' at {_where(n)}")
