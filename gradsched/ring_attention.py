@@ -10,7 +10,7 @@ not grow with cp), and the K/V gradients travel with them back to their owner.
 Layout (gradsched.cp_layout makes it): with causal attention and load_balance=True
 the sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so every
 rank does the same work. At ring step i rank r holds the K/V of rank s = (r - i) mod cp;
-the block it computes follows from the chunk positions (see `ring_block`):
+the block it computes follows from the chunk positions (see `_Ring.visible`):
 
     s == r   the local causal square: is_causal=True with equal q and k lengths
     s <  r   all local rows x the early K/V chunk of s, fully visible
@@ -111,31 +111,6 @@ KV_TILE = 512
 
 
 @dataclass(frozen=True)
-class Block:
-    """What one rank computes at one ring step (the step-level view of the schedule).
-
-    rows: None for all local rows, 1 for the late local chunk only.
-    keys: None for all of the visiting K/V, 0 for its early chunk only.
-    causal: a square diagonal block (is_causal=True inside it).
-    """
-    rows: int | None
-    keys: int | None
-    causal: bool
-
-
-def ring_block(rank: int, cp: int, step: int, causal: bool, load_balance: bool) -> Block | None:
-    """The block rank computes at `step` (K/V from rank (rank - step) mod cp); None: nothing."""
-    src = (rank - step) % cp
-    if not causal:
-        return Block(None, None, False)
-    if src == rank:
-        return Block(None, None, True)
-    if not load_balance:
-        return Block(None, None, False) if src < rank else None
-    return Block(None, 0, False) if src < rank else Block(1, None, False)
-
-
-@dataclass(frozen=True)
 class _Ring:
     """One ring's settings, as the per-step helpers need them."""
     rank: int
@@ -160,7 +135,8 @@ class _Ring:
 
     def visible(self, qid: int, src: int) -> list[tuple[int, int, bool]]:
         """What local row chunk `qid` sees of src's K/V: [(chunk index in the K/V, its
-        position, diagonal)]. Same blocks as `ring_block`, cut per row chunk."""
+        position, diagonal)]: under causal attention only the chunks before it, and its own
+        as a diagonal block."""
         seen = []
         for j, kid in enumerate(self.chunks(src)):
             if not self.causal or kid < qid:

@@ -5,10 +5,10 @@ lists one Parameter under several names. Dynamo lifts it as ONE graph input and
 the backward graph already sums both uses, so nothing needs scheduling.
 
 Across pipeline stages the copies are separate tensors (separate processes):
-their gradients must be summed over the tie group. We find them from the
-original model's identities, mapped to the stages that use each name, or from
-`torch.distributed.pipelining`'s `pipe.replicated_params`. A hand-written list
-is accepted only as an override.
+their gradients must be summed over the tie group. We read them from
+`torch.distributed.pipelining`'s `pipe.replicated_params` (the split records each
+shared Parameter it copied into several stages). A hand-written list is accepted
+only as an override.
 """
 from __future__ import annotations
 
@@ -41,24 +41,6 @@ def shared_parameters(module: nn.Module) -> list[list[str]]:
     for name, p in module.named_parameters(remove_duplicate=False):
         by_id[id(p)].append(name)
     return [names for names in by_id.values() if len(names) > 1]
-
-
-def ties_from_stage_names(module: nn.Module, stage_param_names: dict[int, set[str]]) -> list[Tie]:
-    """Cross-stage ties of `module` split into stages that each use a set of its names.
-
-    stage_param_names: stage -> the original parameter names that stage's code reads.
-    A group of shared names read by two or more stages becomes one Tie.
-    """
-    ties = []
-    for names in shared_parameters(module):
-        members = []
-        for stage in sorted(stage_param_names):
-            used = [n for n in names if n in stage_param_names[stage]]
-            if used:
-                members.append((stage, used[0]))
-        if len(members) > 1:
-            ties.append(Tie(tuple(members)))
-    return sorted(ties, key=lambda t: t.key)
 
 
 def ties_from_pipe(pipe) -> list[Tie]:

@@ -21,7 +21,6 @@ from .grad_ready_order import GradSpec, grad_ready_order
 from .grad_sync import SyncSpec, insert_grad_sync
 from .verify import TieCheck, TieLayout, TiedGradientHazard, Verdict, check, verify_graph
 
-GRAD_SYNC_PIPELINE = ("grad_ready_order", "plan_buckets", "insert_grad_sync", "verify_graph")
 
 __all__ = ["BucketLayout", "GradSpec", "SyncSpec", "TieCheck", "TieLayout", "TiedGradientHazard", "Verdict",
-           "check", "grad_ready_order", "insert_grad_sync", "plan_buckets", "verify_graph", "GRAD_SYNC_PIPELINE"]
+           "check", "grad_ready_order", "insert_grad_sync", "plan_buckets", "verify_graph"]

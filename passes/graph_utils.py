@@ -25,10 +25,6 @@ def is_collective(n: fx.Node) -> bool:
     return n.op == "call_function" and n.target in COLLECTIVES
 
 
-def is_wait_tensor(n: fx.Node) -> bool:
-    return n.op == "call_function" and n.target == c10d.wait_tensor.default
-
-
 def collective_kind(n: fx.Node) -> str:
     return COLLECTIVES[n.target]
 
