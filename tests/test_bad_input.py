@@ -57,3 +57,11 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
     with pytest.raises(ValueError, match="batch of 4 does not split into microbatches=3"):
         model.train_step(x, x)
 
+
+
+def test_placement_backward_with_a_tie_across_stages_is_refused_before_the_first_step():
+    from gradsched.launch import RankFailed
+    from gradsched.tied_training import Job, rank_main
+    job = Job(pp=2, dp=1, steps=1, options={"compiler": "eager", "placement": "backward"})
+    with pytest.raises(RankFailed, match="would deadlock.*placement='flush'"):
+        run_ranks(rank_main, 2, job, timeout_s=120)
