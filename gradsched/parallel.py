@@ -57,7 +57,7 @@ class ParallelModel:
 
     def _build(self, ties, stage_module):
         self.ties = ties
-        self.grad_sync = GradSync(self.plan, self.options, ties)
+        self.grad_sync = GradSync(self.plan, self.options, ties, aliases=self.within_module_ties)
         self.grad_sync.explicit_steps = True  # train_step marks each step's last micro-batch
         self.stage_module = stage_module
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
@@ -117,8 +117,11 @@ class ParallelModel:
         """
         try:
             return self._train_step(inputs, targets)
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            raise e.inner_exception from None  # gradsched's own error, not Dynamo's wrapper
+        except Exception as e:  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
+            own = _own_error(e)
+            if own is None or own is e:
+                raise
+            raise own from None
 
     def _train_step(self, inputs, targets):
         m = self.options.microbatches
@@ -231,6 +234,19 @@ class ParallelModel:
 
     def schedule_report(self) -> str:
         return self.grad_sync.schedule_report()
+
+
+def _own_error(e: BaseException) -> BaseException | None:
+    """The error a gradsched compiler pass or check raised, from under Dynamo's and pipelining's wrappers."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+            return e.inner_exception  # raised by the gradsched backend
+        if type(e).__module__.startswith("gradsched"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def parallelize(model=None, *, plan: ParallelPlan, loss_fn, **kwargs):

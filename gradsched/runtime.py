@@ -59,8 +59,10 @@ class StageSync:
 
 
 class GradSync:
-    def __init__(self, plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), stage: int | None = None):
+    def __init__(self, plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), stage: int | None = None,
+                 aliases: list[list[str]] = ()):
         self.plan, self.options = plan, options
+        self.aliases = [set(a) for a in aliases]  # names of one Parameter in the unsplit model
         self.stage = plan.stage if stage is None else stage
         self.all_ties = sorted(ties, key=lambda t: t.key)
         for t in self.all_ties:  # every rank creates every tie group, in one order
@@ -124,6 +126,14 @@ class GradSync:
                 "gradsched: a second backward graph with different parameters was compiled for this stage "
                 f"(graph break?). First: {[r.name for r in self.state.ready]}; now: {[r.name for r in ready]}. "
                 "Compile the stage with fullgraph=True.")
+        for group in self.aliases:
+            copies = sorted(group & {r.name for r in ready})
+            if len(copies) > 1:
+                raise TieMismatch(
+                    f"stage {self.stage} trains {copies} as separate parameters, but they are one weight of the "
+                    "model: the pipeline split gave one of its uses a copy of its own, which no tie records, so "
+                    "the copies would get different gradients and drift apart. Choose split points that keep "
+                    "every use of a shared weight but one per stage on one side, or untie it.")
         unknown = sorted(set(self.ties) - {r.name for r in ready})
         if unknown:
             raise TieMismatch(f"tied parameter(s) {unknown} of stage {self.stage} get no gradient in its "

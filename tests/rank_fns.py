@@ -185,3 +185,4 @@ def flash_attn_model_under_cp(rank, world):
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return None
+

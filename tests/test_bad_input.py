@@ -65,3 +65,23 @@ def test_placement_backward_with_a_tie_across_stages_is_refused_before_the_first
     job = Job(pp=2, dp=1, steps=1, options={"compiler": "eager", "placement": "backward"})
     with pytest.raises(RankFailed, match="would deadlock.*placement='flush'"):
         run_ranks(rank_main, 2, job, timeout_s=120)
+
+
+def test_a_stage_training_two_copies_of_one_weight_is_refused_naming_them():
+    """pipelining's split can give a third use of a tied weight a copy no tie records (it names
+    copies by export's choice, not always the same): the copies would drift apart."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gradsched.runtime import GradSync, TieMismatch
+    g, fake = fx.Graph(), FakeTensorMode()
+    phs = []
+    for name in ("g_wte", "g_tok"):
+        phs.append(g.placeholder(name))
+        phs[-1].meta["val"] = fake.from_tensor(torch.empty(4))
+    g.output(tuple(phs))
+    sync = GradSync(gradsched.ParallelPlan(pp=2, dp=1), gradsched.SyncOptions(compiler="eager"), stage=0,
+                    aliases=[["wte.weight", "blocks.0.tok", "lm_head.weight"]])
+    params = {"wte.weight": torch.nn.Parameter(torch.zeros(4)), "blocks.0.tok": torch.nn.Parameter(torch.zeros(4))}
+    with pytest.raises(TieMismatch, match=r"stage 0 trains \['blocks.0.tok', 'wte.weight'\] as separate"):
+        sync.register_backward(fx.GraphModule(torch.nn.Module(), g), [], {0: "wte.weight", 1: "blocks.0.tok"}, params)
