@@ -23,8 +23,8 @@ from .backend import gradsched_backend
 from .options import SyncOptions
 from .plan import ParallelPlan
 from .runtime import GradSync
-from .ties import shared_parameters, ties_from_override, ties_from_pipe
-from .user_errors import check_split_points, in_user_code
+from .ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
+from .user_errors import StageError, check_split_points, in_user_code, root_cause
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
 
@@ -87,12 +87,19 @@ class ParallelModel:
                 pipe = pipeline(self.model, mb_args=microbatch,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as e:  # export's message is generic; the model's own error is in the chain
-            err = in_user_code(f"splitting {type(self.model).__name__} into {self.plan.pp} pipeline stages at "
-                               f"{self.split_points} failed in the model's code", e)
-            if err is None:
-                raise
+            what = f"splitting {type(self.model).__name__} into {self.plan.pp} pipeline stages at {self.split_points}"
+            err = in_user_code(f"{what} failed in the model's code", e)
+            if err is None:  # the tracer's own limits: say what is known to cause them
+                cause = root_cause(e)
+                err = StageError(
+                    f"{what} failed in torch.distributed.pipelining: {type(cause).__name__}: {cause}. Known causes: "
+                    "a submodule object shared by blocks on both sides of a split point (share its Parameters "
+                    "instead), or a weight shared with a module the split moves to another stage; try other "
+                    "split points.")
             raise err from e
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
+        for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
+            check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
         self._build(ties, pipe.get_stage_module(self.plan.stage))
         sync = self.grad_sync
 

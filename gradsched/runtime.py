@@ -38,11 +38,7 @@ from .compile import compile_graph
 from .optimizer import mark_sharded
 from .options import SyncOptions
 from .plan import ParallelPlan
-from .ties import Tie
-
-
-class TieMismatch(ValueError):
-    pass
+from .ties import Tie, TieMismatch
 
 
 @dataclass

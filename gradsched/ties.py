@@ -56,3 +56,41 @@ def ties_from_pipe(pipe) -> list[Tie]:
 def ties_from_override(spec: list[dict[int, str]]) -> list[Tie]:
     """An explicit declaration: [{stage: local_name, ...}, ...]."""
     return sorted((Tie(tuple(sorted(d.items()))) for d in spec if len(d) > 1), key=lambda t: t.key)
+
+
+class TieMismatch(ValueError):
+    """Tied copies that gradsched cannot keep equal, or a tie declaration that does not fit the model."""
+
+
+def used_parameters(stage_module: nn.Module) -> set[str]:
+    """Parameter names a split stage's graph reads: its get_attr targets, and every parameter of the
+    submodules it calls. Pipelining's split also leaves copies it never reads (a tied weight under
+    the other stage's name): those are not used."""
+    graph = getattr(stage_module, "graph", None)
+    if graph is None:
+        return {n for n, _ in stage_module.named_parameters()}
+    used = set()
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            used.add(node.target)
+        elif node.op == "call_module":
+            sub = stage_module.get_submodule(node.target)
+            used |= {f"{node.target}.{n}" for n, _ in sub.named_parameters()}
+    return used
+
+
+def check_one_copy_per_stage(stage_module: nn.Module, stage: int, aliases: list[list[str]]) -> None:
+    """A stage must read one weight of the model through ONE Parameter: pipelining's split can give a
+    further use its own copy, which it records as no tie (its name follows export's choice), and whose
+    gradient nothing would sum with the others."""
+    used = used_parameters(stage_module)
+    for names in aliases:
+        copies = sorted(used & set(names))
+        if len(copies) > 1:
+            raise TieMismatch(
+                f"stage {stage} reads one weight of the model (named {', '.join(names)}) through "
+                f"{len(copies)} separate copies after the pipeline split ({', '.join(copies)}): the split "
+                "gave one of its uses a copy of its own that no tie records, so the copies would get "
+                "different gradients and drift apart. Choose split points that put all but one of the "
+                "weight's uses on one side per stage (e.g. the embedding and any reuse on the first stage "
+                "only, the head on the last), or untie it.")
