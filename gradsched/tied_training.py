@@ -161,15 +161,21 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
 
 def rank_jobs(rank: int, world: int, jobs: list) -> list:
     """Several jobs in one set of processes (start-up dominates small jobs): each job's result,
-    or ("error", text) for a job that failed on this rank."""
+    or ("error", text) for a job that failed on this rank.
+
+    After a failure the remaining jobs are not run: the other ranks may not have failed, and
+    would wait in the next job's collectives for this one (a hang until the timeout); returning
+    ends this process, and theirs fail fast on the closed connection."""
     import traceback
     out = []
-    for job in jobs:
+    for i, job in enumerate(jobs):
         torch._dynamo.reset()  # a fresh model per job: no cache limit, no guards from the last one
         try:
             out.append(rank_main(rank, world, job))
         except Exception as e:  # noqa: BLE001 - reported to the test, which names the job
             out.append(("error", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+            out += [("error", "not run: an earlier job failed on this rank")] * (len(jobs) - i - 1)
+            break
     return out
 
 

@@ -15,10 +15,10 @@ RUNS = {
     "pp2_dp2": Job(pp=2, dp=2),
     "dp4": Job(pp=1, dp=4),
     "shard_aligned": Job(pp=2, dp=2, options={"compiler": "eager", "mode": "shard_aligned"}),
-    # last: the refused run raises on every rank before any collective of its sync graph
-    "unsafe_refused": Job(pp=2, dp=2, options={"compiler": "eager", "mode": "unsafe_rs_first"}),
     "unsafe_allowed": Job(pp=2, dp=2, options={"compiler": "eager", "mode": "unsafe_rs_first",
                                                "allow_hazard": True}),
+    # last: a failing job ends its rank's run (rank_jobs)
+    "unsafe_refused": Job(pp=2, dp=2, options={"compiler": "eager", "mode": "unsafe_rs_first"}),
 }
 
 
