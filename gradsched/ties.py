@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
 import torch.nn as nn
 
 
@@ -62,20 +63,20 @@ class TieMismatch(ValueError):
     """Tied copies that gradsched cannot keep equal, or a tie declaration that does not fit the model."""
 
 
-def used_parameters(stage_module: nn.Module) -> set[str]:
-    """Parameter names a split stage's graph reads: its get_attr targets, and every parameter of the
-    submodules it calls. Pipelining's split also leaves copies it never reads (a tied weight under
-    the other stage's name): those are not used."""
+def used_parameters(stage_module: nn.Module, prefix: str = "") -> set[str]:
+    """Parameter names a split stage's graph reads: its get_attr targets, and, through the submodules
+    it calls, theirs (a called submodule without a graph, such as nn.Linear, reads all of its own).
+    Pipelining's split also leaves copies it never reads (a tied weight under the other stage's
+    name, possibly inside a module the stage calls): those are not used."""
     graph = getattr(stage_module, "graph", None)
-    if graph is None:
-        return {n for n, _ in stage_module.named_parameters()}
+    if not isinstance(graph, torch.fx.Graph):
+        return {prefix + n for n, _ in stage_module.named_parameters()}
     used = set()
     for node in graph.nodes:
         if node.op == "get_attr":
-            used.add(node.target)
+            used.add(prefix + node.target)
         elif node.op == "call_module":
-            sub = stage_module.get_submodule(node.target)
-            used |= {f"{node.target}.{n}" for n, _ in sub.named_parameters()}
+            used |= used_parameters(stage_module.get_submodule(node.target), f"{prefix}{node.target}.")
     return used
 
 
