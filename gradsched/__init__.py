@@ -11,6 +11,7 @@ from .parallel import ParallelModel, parallelize
 from .plan import ParallelPlan, PlanError
 from .runtime import GradSync
 from .ties import Tie, shared_parameters
+from .user_errors import StageError
 
-__all__ = ["DistributedOptimizer", "GradSync", "ParallelModel", "ParallelPlan", "PlanError", "SyncOptions", "Tie",
+__all__ = ["DistributedOptimizer", "GradSync", "ParallelModel", "ParallelPlan", "PlanError", "StageError", "SyncOptions", "Tie",
            "gradsched_backend", "parallelize", "run_ranks", "shared_parameters"]

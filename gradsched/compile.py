@@ -8,6 +8,8 @@ from torch._functorch.aot_autograd import make_boxed_func
 def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str):
     """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager"."""
     if compiler == "eager":
+        from gradsched.user_errors import remember_graph
+        remember_graph(gm)  # its errors can then name the user's line
         return make_boxed_func(gm.forward)
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._guards import detect_fake_mode

@@ -14,6 +14,7 @@ found from the split (or from `ties=` as an override).
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -24,7 +25,7 @@ from .options import SyncOptions
 from .plan import ParallelPlan
 from .runtime import GradSync
 from .ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
-from .user_errors import StageError, check_split_points, in_user_code, root_cause
+from .user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
 
@@ -52,6 +53,7 @@ class ParallelModel:
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
         self.module = None
+        self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
 
@@ -135,24 +137,57 @@ class ParallelModel:
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={m}.")
         inputs, targets = self._shard_sequence(inputs, targets)
+        if self.plan.pp > 1:
+            self._check_same_shapes(inputs, targets)
         last_stage = self.plan.stage == self.plan.pp - 1
         if last_stage:
             self._total = self._global_count(targets)
         if self.plan.pp == 1:
             losses = []
             for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
-                loss = self._weighted_loss(self.module(*x), y)
-                with self.grad_sync.step_boundary(last=i == m - 1):
-                    loss.backward()
+                with self._stage_errors():
+                    loss = self._weighted_loss(self.module(*x), y)
+                    with self.grad_sync.step_boundary(last=i == m - 1):
+                        loss.backward()
                 losses.append(loss.detach())
         else:
             if self.module is None:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
             first, losses = self.plan.stage == 0, []
-            self.schedule.step(*(inputs if first else ()),
-                               **({"target": targets, "losses": losses} if last_stage else {}))
+            with self._stage_errors():
+                self.schedule.step(*(inputs if first else ()),
+                                   **({"target": targets, "losses": losses} if last_stage else {}))
         self.grad_sync.flush()
         return self._global_loss(losses) if last_stage else None
+
+    @contextlib.contextmanager
+    def _stage_errors(self):
+        """An error of the model's code while its stage runs names the model's line, not the
+        generated code of the stage's graph or the wrappers of Dynamo and pipelining."""
+        try:
+            yield
+        except Exception as e:
+            if _own_error(e) is not None:
+                raise
+            stage = f"pipeline stage {self.plan.stage} of {self.plan.pp}" if self.plan.pp > 1 else "the model"
+            if isinstance(e, torch.distributed.DistBackendError) or "Connection closed by peer" in str(e):
+                raise StageError(f"{stage} (rank {self.plan.rank}): another rank stopped, and its own error names "
+                                 f"the cause. Here: {str(e).strip().splitlines()[0]}") from e
+            raise in_stage(f"{stage} failed in the model's code", e, self.stage_module, self.options.compiler) from e
+
+    def _check_same_shapes(self, inputs, targets):
+        """pipelining fixes every stage's shapes at the split and its first step: refuse other
+        shapes on this rank before anything is sent (a stage would fail mid-schedule)."""
+        m = self.options.microbatches
+        shapes = ([tuple(t.chunk(m)[0].shape) for t in inputs], tuple(targets.chunk(m)[0].shape))
+        if self._shapes is None:
+            self._shapes = shapes
+        elif shapes != self._shapes:
+            raise ValueError(
+                f"pp={self.plan.pp}: the pipeline stages were split and shaped for micro-batches of inputs "
+                f"{self._shapes[0]} and targets {self._shapes[1]} (the first step's), but this step's are "
+                f"{shapes[0]} and {shapes[1]}. Under pp > 1 keep the batch size, microbatches and sequence "
+                "length the same every step (pad sequences to one length), or train with pp=1.")
 
     # ---- the loss of the global batch --------------------------------------------------------
     # NOTE: a rank sees only its share of the batch (dp), of each sequence (cp) and of each

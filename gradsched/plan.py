@@ -116,11 +116,18 @@ class ParallelPlan:
                 mine = (tuple(ranks), pg)
         return mine
 
+    def _group(self, kind: str):
+        if not self._groups:
+            raise PlanError(f"{self} has no process groups: build plans with ParallelPlan.from_world(pp=..., "
+                            "cp=...), which lays them over the running processes (a one-process run too, "
+                            "started with torchrun --nproc-per-node 1).")
+        return self._groups[kind]
+
     def process_group(self, kind: str) -> dist.ProcessGroup:
-        return self._groups[kind][1]
+        return self._group(kind)[1]
 
     def group_ranks(self, kind: str) -> tuple[int, ...]:
-        return self._groups[kind][0]
+        return self._group(kind)[0]
 
     def tie_group(self, stages: tuple[int, ...]) -> tuple[tuple[int, ...], dist.ProcessGroup]:
         """The group that sums a tied weight's copies held by `stages`.

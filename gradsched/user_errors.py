@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 import traceback
+import weakref
 
 import torch
 
@@ -46,7 +48,8 @@ def _from_user_code(message: str) -> str | None:
     if "from user code:" not in message:
         return None
     lines = message.split("from user code:", 1)[1].strip().splitlines()
-    files = [i for i, line in enumerate(lines) if line.strip().startswith('File "')]
+    files = [i for i, line in enumerate(lines)  # generated code ('File "<eval_with_key>.3"') is not the user's
+             if line.strip().startswith('File "') and not line.strip().startswith('File "<')]
     if not files:
         return None
     i = files[-1]
@@ -69,6 +72,122 @@ def user_frame(exc: BaseException) -> str | None:
 
 def root_cause(exc: BaseException) -> BaseException:
     return list(_chain(exc))[-1]
+
+
+# ---- errors raised while a stage runs ------------------------------------------------------------
+# A stage is a GraphModule (the split's, or the aten graphs compiled from it): an error in it
+# points at generated code, `<eval_with_key>.N`. Each node keeps the user's stack trace in
+# node.meta["stack_trace"] (export records it, Dynamo and AOTAutograd carry it on), so the
+# generated line is mapped back to its node and from there to the user's line.
+_GRAPHS: "weakref.WeakValueDictionary[str, torch.fx.GraphModule]" = weakref.WeakValueDictionary()
+_GENERATED = re.compile(r'File "(<eval_with_key>\.\d+)", line (\d+)')
+
+
+def _generated_file(gm: torch.fx.GraphModule) -> str | None:
+    code = getattr(type(gm).forward, "__code__", None)
+    return code.co_filename if code is not None and code.co_filename.startswith("<eval_with_key>") else None
+
+
+def remember_graph(gm: torch.fx.GraphModule) -> None:
+    """Make a compiled graph's errors traceable to the user's line (graphs run by the eager compiler)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    _LazyGraphModule.force_recompile(gm)  # its code now, not at its first call: the name is the code's
+    name = _generated_file(gm)
+    if name is not None:
+        _GRAPHS[name] = gm
+
+
+def _graphs_of(module: torch.nn.Module):
+    for m in module.modules():  # unflatten's InterpreterModules keep their code in .graph_module
+        for gm in (m, getattr(m, "graph_module", None)):
+            if isinstance(gm, torch.fx.GraphModule) and _generated_file(gm):
+                yield _generated_file(gm), gm
+
+
+def _generated_frames(exc: BaseException) -> list[tuple[str, int]]:
+    """(generated file, line) of every frame in generated code, innermost last, over exc's chain:
+    from tracebacks, and from the "from user code:" text of Dynamo's errors."""
+    frames = []
+    for e in reversed(list(_chain(exc))):  # the chain runs outermost first
+        frames += [(fr.filename, fr.lineno) for fr in traceback.extract_tb(e.__traceback__)
+                   if fr.filename.startswith("<eval_with_key>")]
+        frames += [(f, int(n)) for f, n in _GENERATED.findall(str(e))]
+    return frames
+
+
+def _frames_of(stack_trace: str) -> list[tuple[str, str]]:
+    """('File "f", line n, in fn', code) for each frame of a node's stack trace, outermost first."""
+    lines = stack_trace.strip().splitlines()
+    return [(line.strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+            for i, line in enumerate(lines) if line.strip().startswith('File "')]
+
+
+def _node_at(graphs: dict, filename: str, lineno: int) -> torch.fx.Node | None:
+    gm = graphs.get(filename)
+    if gm is None or not getattr(gm, "_lineno_map", None):
+        return None
+    idx = gm._lineno_map.get(lineno - type(gm).forward.__code__.co_firstlineno)
+    return None if idx is None else list(gm.graph.nodes)[idx]
+
+
+def _map_line(graphs: dict, filename: str, lineno: int, depth: int = 0) -> str | None:
+    """The user's line behind a line of generated code. A node's stack trace may itself end in
+    generated code (Dynamo traced the split's GraphModule): follow it there."""
+    node = _node_at(graphs, filename, lineno)
+    frames = _frames_of(node.meta.get("stack_trace") or "") if node is not None else []
+    library = tuple(f'File "{d}' for d in _LIBRARY_DIRS)
+    for frame, code in reversed(frames):  # innermost first; torch's own modules are not the user's line
+        inner = _GENERATED.search(frame)
+        if inner is None and not frame.startswith(library):
+            return f"{frame}, code: {code}"
+        if inner is not None and depth < 8:
+            found = _map_line(graphs, inner.group(1), int(inner.group(2)), depth + 1)
+            if found:
+                return found
+    return None
+
+
+def node_user_line(exc: BaseException, module: torch.nn.Module | None = None) -> str | None:
+    """The user's line behind the innermost generated-code frame of exc that gradsched can map."""
+    graphs = dict(_GRAPHS)
+    if module is not None:
+        graphs.update(_graphs_of(module))
+    for filename, lineno in reversed(_generated_frames(exc)):
+        found = _map_line(graphs, filename, lineno)
+        if found:
+            return found
+    return None
+
+
+def _called_user_frame(exc: BaseException) -> str | None:
+    """The innermost frame of the user's code that gradsched called (a loss function, a Python
+    op), not the script that called gradsched."""
+    for e in _chain(exc):
+        frames = traceback.extract_tb(e.__traceback__)
+        own = [i for i, fr in enumerate(frames) if fr.filename.startswith(_OWN_DIR)]
+        for fr in reversed(frames[own[-1] + 1:] if own else []):
+            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")):
+                return f"{fr.filename}:{fr.lineno} in {fr.name}, code: {fr.line}"
+    return None
+
+
+def in_stage(what: str, exc: BaseException, module: torch.nn.Module | None, compiler: str) -> StageError:
+    """A StageError with the model's own error and, where it can be mapped, the user's line.
+
+    The model's error is the root of the chain, under pipelining's "failed to run forward" and,
+    with fullgraph=True, Dynamo's "Attempt to trace generator" (Dynamo traces the GraphModule's
+    own error handler, cannot trace its generator, and raises that instead)."""
+    cause = root_cause(exc)
+    where = node_user_line(exc, module) or next(filter(None, map(_from_user_code, map(str, _chain(exc)))), None) \
+        or _called_user_frame(exc)
+    text = str(cause).strip()
+    msg = f"{what}: {type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+    if where:
+        return StageError(msg + f"\n  at {where}")
+    if compiler != "eager":
+        return StageError(msg + f"\n  (raised in {compiler}'s compiled code, which keeps no source line; "
+                          "compiler='eager' names the model's line)")
+    return StageError(msg)
 
 
 def in_user_code(what: str, exc: BaseException) -> StageError | None:

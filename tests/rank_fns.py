@@ -148,16 +148,32 @@ class ShapeBugInSecondStage(TinyGPT):
         return self.lm_head(self.ln_f(x))
 
 
-def stage_error_message(rank, world, model_cls_name: str):
-    plan = gradsched.ParallelPlan.from_world(pp=2)
-    model = gradsched.parallelize(globals()[model_cls_name](), plan=plan, loss_fn=lm_loss,
-                                  split_points=["blocks.1"], compiler="eager")
-    x, y = make_batch(2, TinyGPT().config)
+def _message(step) -> str | None:
     try:
-        model.train_step(x, y)
+        step()
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def stage_error_messages(rank, world, compiler: str):
+    """What a user sees on each rank, in order: a shape bug found while splitting; a later step
+    with another batch size; a token id out of the vocabulary, inside stage 0 (which stops the
+    world's process group, so it comes last)."""
+    plan, config = gradsched.ParallelPlan.from_world(pp=2), TinyGPT().config
+    x, y = make_batch(2, config)
+
+    def parallel(cls):
+        return gradsched.parallelize(cls(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], compiler=compiler)
+
+    split_bug = _message(lambda: parallel(ShapeBugInSecondStage).train_step(x, y))
+    model = parallel(TinyGPT)
+    model.train_step(x, y)
+    other_batch = _message(lambda: model.train_step(*make_batch(4, config)))
+    bad = x.clone()
+    bad[1, 5] = config.vocab + 3
+    bad_token = _message(lambda: model.train_step(bad, y))
+    return [split_bug, other_batch, bad_token]
 
 
 class FlashAttnGPT(TinyGPT):

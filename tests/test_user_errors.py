@@ -5,7 +5,7 @@ import gradsched
 from gradsched.launch import run_ranks
 from gradsched.tiny_gpt import TinyGPT, lm_loss
 
-from rank_fns import stage_error_message
+from rank_fns import stage_error_messages
 
 
 def test_a_split_point_that_names_no_module_is_refused_with_the_nearest_names():
@@ -15,8 +15,35 @@ def test_a_split_point_that_names_no_module_is_refused_with_the_nearest_names():
     assert "['block.1'] name no submodule of TinyGPT" in str(err.value) and "'blocks.1'" in str(err.value)
 
 
-def test_a_shape_bug_caught_while_splitting_names_the_users_line():
-    msg = run_ranks(stage_error_message, 2, "ShapeBugInSecondStage", raise_on_error=False)[0]
+@pytest.fixture(scope="module")
+def messages():
+    """Each rank's messages for the cases of rank_fns.stage_error_messages, under each compiler."""
+    return {c: run_ranks(stage_error_messages, 2, c, raise_on_error=False) for c in ("eager", "inductor")}
+
+
+def test_a_shape_bug_caught_while_splitting_names_the_users_line(messages):
+    msg = messages["eager"][0][0]
     assert msg.startswith("StageError: splitting ShapeBugInSecondStage into 2 pipeline stages")
     assert "rank_fns.py" in msg and "x = x @ torch.ones(7, 3)" in msg
 
+
+def test_a_later_step_with_other_shapes_is_refused_on_every_rank_before_anything_is_sent(messages):
+    for rank_messages in messages["eager"]:
+        assert rank_messages[1].startswith("ValueError: pp=2: the pipeline stages were split and shaped for "
+                                           "micro-batches of inputs [(2, 16)] and targets (2, 16)")
+        assert "this step's are [(4, 16)] and (4, 16)" in rank_messages[1]
+
+
+def test_an_error_inside_a_stage_names_the_users_line_not_the_generated_code(messages):
+    stage0, stage1 = (m[2] for m in messages["eager"])
+    assert stage0.startswith("StageError: pipeline stage 0 of 2 failed in the model's code: IndexError: "
+                             "index out of range in self")
+    assert "tiny_gpt.py" in stage0 and "code: x = self.wte(idx) + self.wpe(pos)" in stage0
+    assert "eval_with_key" not in stage0 and "Attempt to trace generator" not in stage0
+    assert stage1.startswith("StageError: pipeline stage 1 of 2 (rank 1): another rank stopped")
+
+
+def test_an_error_inside_inductors_code_gives_the_models_error_and_how_to_find_its_line(messages):
+    stage0 = messages["inductor"][0][2]
+    assert stage0.startswith("StageError: pipeline stage 0 of 2 failed in the model's code: RuntimeError: ")
+    assert "index out of bounds" in stage0 and "inductor's compiled code, which keeps no source line; compiler='eager' names the model's line" in stage0
