@@ -169,7 +169,7 @@ class ParallelModel:
         except Exception as e:
             if _own_error(e) is not None:
                 raise
-            stage = f"pipeline stage {self.plan.stage} of {self.plan.pp}" if self.plan.pp > 1 else "the model"
+            stage = f"pipeline stage {self.plan.stage} of {self.plan.pp}" if self.plan.pp > 1 else "the training step"
             if isinstance(e, torch.distributed.DistBackendError) or "Connection closed by peer" in str(e):
                 raise StageError(f"{stage} (rank {self.plan.rank}): another rank stopped, and its own error names "
                                  f"the cause. Here: {str(e).strip().splitlines()[0]}") from e

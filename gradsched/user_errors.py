@@ -159,6 +159,11 @@ def node_user_line(exc: BaseException, module: torch.nn.Module | None = None) ->
     return None
 
 
+def _compiled_file(filename: str) -> bool:
+    """Inductor's generated modules (in its cache directory) are not the user's code."""
+    return "torchinductor" in filename
+
+
 def _called_user_frame(exc: BaseException) -> str | None:
     """The innermost frame of the user's code that gradsched called (a loss function, a Python
     op), not the script that called gradsched."""
@@ -166,7 +171,7 @@ def _called_user_frame(exc: BaseException) -> str | None:
         frames = traceback.extract_tb(e.__traceback__)
         own = [i for i, fr in enumerate(frames) if fr.filename.startswith(_OWN_DIR)]
         for fr in reversed(frames[own[-1] + 1:] if own else []):
-            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")):
+            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")) and not _compiled_file(fr.filename):
                 return f"{fr.filename}:{fr.lineno} in {fr.name}, code: {fr.line}"
     return None
 
