@@ -67,8 +67,9 @@ def first_difference(a: list, b: list) -> int:
     return min(len(a), len(b))
 
 
-def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> tuple[dict, dict]:
-    """Exchange over the gradient group, then each tie group.
+def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict, ties: dict) -> tuple[dict, dict]:
+    """Exchange over the gradient group, then the group of each tie in `ties` (name -> Tie: the ties
+    this graph reduces; a graph without any talks to its gradient group only).
 
     Returns (tie key -> the other members' layouts, tie key -> {rank: identities of
     the tie group's collectives in that rank's issue order}) for the verifier."""
@@ -76,7 +77,7 @@ def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict) -> tuple[dict, d
     plan = sync.plan
     pg, ranks, _ = sync.grad_group()
     groups = [("gradient group", pg, ranks, None, None)]
-    for name, tie in sorted(sync.ties.items(), key=lambda kv: kv[1].key):
+    for name, tie in sorted(ties.items(), key=lambda kv: kv[1].key):
         tranks, tpg = sync.tie_group_of(tie)
         groups.append((f"tie group of {tie.key}", tpg, tranks, tie.key, sync.state.params[name]))
     peers: dict[str, list] = {}

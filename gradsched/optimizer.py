@@ -107,10 +107,11 @@ class DistributedOptimizer:
             self.optimizer.step()
             return
         st = self.sync.state
-        if len(st.results) != len(self.shards):
+        reduced = st.reduced()
+        if len(reduced) != len(self.shards):
             raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
                                "step's backward passes (and flush() under pipeline parallelism) first.")
-        for shard, g in zip(self.shards, st.results):
+        for shard, g in zip(self.shards, reduced):
             shard.grad = g.float()
         self.optimizer.step()
         pg, ranks, _ = self.sync.grad_group()
@@ -123,7 +124,7 @@ class DistributedOptimizer:
             for s in b.slots:
                 p = st.params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))
-        st.results = []
+        st.results.clear()
 
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:

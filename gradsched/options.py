@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 import torch
 
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
-PLACEMENTS = ("auto", "backward", "flush")
+PLACEMENTS = ("auto", "split", "backward", "flush")
 COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
 COMMS = ("ring", "allgather")
@@ -24,11 +24,14 @@ class SyncOptions:
                unsafe_rs_first: Megatron-LM #844's order, kept to demonstrate the
                  hazard; refused unless allow_hazard=True.
     shard      True: reduce-scatter buckets (distributed optimizer); False: all-reduce.
-    placement  backward: collectives inside the last micro-batch's backward graph,
-                 overlapping the remaining backward compute (pp == 1);
-               flush: one compiled sync graph after the pipeline flush (pp > 1:
-                 a stage's backward cannot wait on other stages before it has
-                 sent its input gradient); auto picks by pp.
+    placement  where each bucket's reduction runs. split (auto's choice for pp > 1):
+                 buckets without a tied gradient in the last micro-batch's backward
+                 graph, overlapping the other stages' remaining work; buckets with
+                 one in a sync graph after the pipeline flush (a stage's backward
+                 cannot wait on other stages before it has sent its input gradient).
+               backward (auto's choice for pp == 1): every bucket in the backward;
+                 refused with ties across stages.
+               flush: every bucket after the flush.
     """
     mode: str = "tied_first"
     shard: bool = True

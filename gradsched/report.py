@@ -36,22 +36,27 @@ def schedule_report(sync) -> str:
     for b in st.layout.buckets:
         slots = ", ".join(f"{s.name}@{s.offset}+{s.numel}" + (" (tied)" if s.tie else "") for s in b.slots)
         out.append(f"   bucket {b.index}: {b.numel} x {str(b.dtype).replace('torch.', '')} [{slots}]")
-    if st.sync_gm is None:
+    graphs = sync.sync_graphs()
+    if not graphs:
         return "\n".join(out + ["   (sync graph not built yet)"])
-    for i, r in enumerate(collectives(st.sync_gm)):
-        what = ", ".join(r["params"]) if len(r["params"]) <= 4 else f"{len(r['params'])} params"
-        if r["elements"] and r["role"] == "tie_all_reduce_shard":
-            what += f" elements {tuple(r['elements'])}"
-        out.append(f"   #{i} {r['op']:<14} {names.get(r['group'], r['group']):<16} {r['dtype']:<8} "
-                   f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
+    for sg in graphs:
+        buckets = ", ".join(str(b.index) for b in sg.layout.buckets)
+        out.append(f"   {'last micro-batch backward graph' if sg.where == 'backward' else 'flush graph'} "
+                   f"(buckets {buckets}):")
+        for i, r in enumerate(collectives(sg.gm)):
+            what = ", ".join(r["params"]) if len(r["params"]) <= 4 else f"{len(r['params'])} params"
+            if r["elements"] and r["role"] == "tie_all_reduce_shard":
+                what += f" elements {tuple(r['elements'])}"
+            out.append(f"   #{i} {r['op']:<14} {names.get(r['group'], r['group']):<16} {r['dtype']:<8} "
+                       f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
     if opts.shard:
         from .optimizer import gather_dtype
         for b in st.layout.buckets:
             dtype = str(gather_dtype(st.params[s.name].dtype for s in b.slots)).replace("torch.", "")
             out.append(f"   after step: all_gather   {names[pg.group_name]:<16} {dtype:<8} bucket {b.index} params "
                        f"({b.numel} elements)")
-    verdict = st.verdict
-    if verdict is not None:
-        out.append("   verifier: " + ("ok" if verdict.ok else "HAZARD"))
-        out += [f"     {line}" for line in verdict.proofs + verdict.hazards]
+    for sg in graphs:
+        if sg.verdict is not None:
+            out.append(f"   verifier ({sg.where} graph): " + ("ok" if sg.verdict.ok else "HAZARD"))
+            out += [f"     {line}" for line in sg.verdict.proofs + sg.verdict.hazards]
     return "\n".join(out)

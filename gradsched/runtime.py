@@ -1,15 +1,22 @@
 """GradSync: runs the gradient-sync pass pipeline on one stage and executes its graphs.
 
 One GradSync per pipeline stage (per process). The backend hands it the
-stage's backward graph; it reads the ready order, plans buckets, and either
+stage's backward graph; it reads the ready order, plans buckets, and places
+each bucket's reduction in one of two graphs:
 
-  placement="backward": compiles a second variant of the backward graph with
-      the collectives inserted, used on the last micro-batch of each step
-      (earlier micro-batches run the plain graph and accumulate in .grad). Which
-      backward is the last is said by the caller (`step_boundary`), from the
-      schedule, never counted; or
-  placement="flush": compiles a standalone sync graph, run once per step after
-      the pipeline schedule has drained (`flush()`).
+  in the backward: a second variant of the backward graph with the collectives
+      inserted, used on the last micro-batch of each step (earlier micro-batches
+      run the plain graph and accumulate in .grad). Which backward is the last
+      is said by the caller (`step_boundary`), from the schedule, never counted;
+  at the flush: a standalone sync graph, run once per step after the pipeline
+      schedule has drained (`flush()`).
+
+placement="split" (the default for pp > 1) reduces every bucket without a tied
+gradient in the backward, where it overlaps the other stages' remaining work,
+and only the buckets that hold a tied gradient at the flush: their tie
+all-reduce needs every stage holding a copy, and a stage's backward cannot wait
+on another stage before it has sent its input gradient. "backward" and
+"flush" put every bucket in one place.
 
 Before a sync graph's first collective it exchanges collective fingerprints
 and tie layouts over each of its groups, verifies the graph, and refuses to
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 
@@ -30,6 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes import GradSpec, SyncSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, \
     plan_buckets, verify_graph
+from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.graph_utils import META_KEY
 from gradsched.passes.verify import TiedGradientHazard, graph_to_json
 
@@ -42,16 +51,46 @@ from .ties import Tie, TieMismatch
 
 
 @dataclass
-class StageSync:
-    """The compiled state of one stage: layout, graphs, results of the last sync."""
-    ready: list[GradSpec]
-    layout: object
-    params: dict[str, torch.nn.Parameter]
-    sync_gm: fx.GraphModule | None = None
-    sync_fn: object = None
+class SyncGraph:
+    """One compiled graph reducing some of a stage's buckets: its buckets, graph, callable, verdict."""
+    where: str  # "backward" (the last micro-batch's backward graph) or "flush"
+    layout: BucketLayout  # the buckets it reduces, with their indices in the stage's layout
+    gm: fx.GraphModule | None = None
+    fn: object = None
     checked: bool = False
-    results: list[torch.Tensor] = field(default_factory=list)
     verdict: object = None
+
+    @property
+    def record(self):
+        return self.gm.meta[META_KEY]
+
+
+@dataclass
+class StageSync:
+    """The compiled state of one stage: layout, its sync graphs, results of the last sync."""
+    ready: list[GradSpec]
+    layout: BucketLayout
+    params: dict[str, torch.nn.Parameter]
+    graphs: dict[str, SyncGraph] = field(default_factory=dict)  # "backward" and/or "flush"
+    results: dict[int, torch.Tensor] = field(default_factory=dict)  # bucket index -> this step's reduced shard
+
+    def reduced(self) -> list[torch.Tensor]:
+        """This step's reduced buckets in layout order (shorter until every graph has run)."""
+        return [self.results[b.index] for b in self.layout.buckets if b.index in self.results]
+
+    @property
+    def verdicts(self) -> list:
+        return [g.verdict for g in self.graphs.values() if g.verdict is not None]
+
+
+def split_layout(layout: BucketLayout, placement: str) -> dict[str, BucketLayout]:
+    """Which buckets each graph reduces: "backward" and "flush" -> sub-layouts (no empty one)."""
+    tied = [b for b in layout.buckets if any(s.tie for s in b.slots)]
+    untied = [b for b in layout.buckets if b not in tied]
+    parts = {"backward": layout.buckets, "flush": ()} if placement == "backward" else \
+        {"backward": (), "flush": layout.buckets} if placement == "flush" else \
+        {"backward": tuple(untied), "flush": tuple(tied)}
+    return {where: BucketLayout(tuple(buckets), layout.shards) for where, buckets in parts.items() if buckets}
 
 
 class GradSync:
@@ -66,19 +105,20 @@ class GradSync:
         self.ties = {t.name_on(self.stage): t for t in self.all_ties if t.name_on(self.stage)}
         self.placement = options.placement
         if self.placement == "auto":
-            self.placement = "backward" if plan.pp == 1 else "flush"
+            self.placement = "backward" if plan.pp == 1 else "split"
         if self.placement == "backward" and self.ties:
             raise ValueError(
                 "placement='backward' with weights tied across pipeline stages would deadlock: a stage's "
                 "backward would wait on the other stage before sending its input gradient. Use "
-                "placement='flush' (the default for pp > 1).")
+                "placement='split' (the default for pp > 1: only the tied buckets wait for the flush) or 'flush'.")
         self.state: StageSync | None = None
         # explicit_steps: a driver (ParallelModel.train_step) marks the last micro-batch's backward
         # with step_boundary(); without one (the backend by name), every backward ends a step
         self.explicit_steps = False
         self._last_microbatch = False
         self.backward_calls = 0  # for reports and tests only: nothing is decided by counting
-        self.sync_runs = 0  # executions of the sync graph: once per optimizer step
+        self.sync_runs = 0  # steps whose gradients were reduced: once per optimizer step
+        self.flush_seconds: list[float] = []  # wall time of each flush graph run
 
     @contextlib.contextmanager
     def step_boundary(self, last: bool):
@@ -143,22 +183,26 @@ class GradSync:
                               # keeps ready order, where #844 bites.
                               align_ties=self.options.mode != "unsafe_rs_first")
         self.state = StageSync(ready, layout, params)
+        self.state.graphs = {where: SyncGraph(where, part) for where, part in split_layout(layout, self.placement).items()}
         attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())
         compiled = compile_graph(bw_gm, example_inputs, self.options.compiler)
 
-        def plain(args):  # earlier micro-batches (or every one, under flush): autograd accumulates
+        def plain(args):  # earlier micro-batches (or every one, with nothing to reduce here): autograd accumulates
             self.backward_calls += 1
             return compiled(args)
         plain._boxed_call = True
-        if self.placement == "flush":
+        sg = self.state.graphs.get("backward")
+        if sg is None:
             return plain
 
         accumulate = self.options.microbatches > 1
         sync_gm = fx.GraphModule(bw_gm, bw_gm.graph.__deepcopy__())
         sync_gm.meta.update(bw_gm.meta)
-        insert_grad_sync(sync_gm, self._spec(layout, {r.name: r.output_index for r in ready}, accumulate))
+        mine = {s.name for b in sg.layout.buckets for s in b.slots}
+        insert_grad_sync(sync_gm, self._spec(sg.layout, {r.name: r.output_index for r in ready if r.name in mine},
+                                             accumulate))
         _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync")
         record = sync_gm.meta[META_KEY]
         extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
@@ -166,57 +210,65 @@ class GradSync:
         fake = detect_fake_mode(example_inputs)
         if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
             extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
-        self.state.sync_gm = sync_gm
-        self.state.sync_fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler)
+        sg.gm = sync_gm
+        sg.fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler)
 
         def backward(args):
             if not self._ends_step():
                 return plain(args)
             self.backward_calls += 1
             acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
-            self._check_once()
-            outs = list(self.state.sync_fn(list(args) + acc))
-            self.sync_runs += 1
+            self._check_once(sg)
+            outs = list(sg.fn(list(args) + acc))
             for n in record.acc_inputs:
                 params[n].grad = None  # consumed: the reduced gradient replaces it
-            self.state.results = outs[record.n_outputs:]
+            self.state.results.update(zip((b.index for b in sg.layout.buckets), outs[record.n_outputs:]))
+            if "flush" not in self.state.graphs:
+                self.sync_runs += 1
             return outs[:record.n_outputs]
         backward._boxed_call = True
         return backward
 
-    # ---- flush placement ------------------------------------------------------------------
+    # ---- the flush ---------------------------------------------------------------------------
     def flush(self) -> None:
-        """Reduce this step's accumulated gradients (placement='flush'); call once per step."""
-        if self.placement != "flush":
+        """Reduce what waits for the end of the step (every bucket under placement='flush', the tied
+        ones under 'split'); call once per step, after the schedule. Nothing to do otherwise."""
+        if self.state is None and self.placement == "backward":
             return
         st = self._require_state()
-        if st.sync_fn is None:
-            st.sync_gm = self._build_flush_graph(st)
-            examples = [torch.zeros(r.shape, dtype=r.dtype) for r in st.ready]
-            st.sync_fn = compile_graph(st.sync_gm, examples, self.options.compiler)
-        self._check_once()
-        grads = [_grad_or_zeros(st.params[r.name]) for r in st.ready]
-        outs = list(st.sync_fn(grads))
+        sg = st.graphs.get("flush")
+        if sg is None:
+            return
+        names = {s.name for b in sg.layout.buckets for s in b.slots}
+        ready = [r for r in st.ready if r.name in names]
+        if sg.fn is None:
+            sg.gm = self._build_flush_graph(ready, sg.layout)
+            examples = [torch.zeros(r.shape, dtype=r.dtype, device=st.params[r.name].device) for r in ready]
+            sg.fn = compile_graph(sg.gm, examples, self.options.compiler)
+        self._check_once(sg)
+        t0 = time.perf_counter()
+        outs = list(sg.fn([_grad_or_zeros(st.params[r.name]) for r in ready]))
+        self.flush_seconds.append(time.perf_counter() - t0)  # the step's tail after the schedule (benchmarks)
         self.sync_runs += 1
+        results = outs if self.options.shard else outs[len(ready):]
+        st.results.update(zip((b.index for b in sg.layout.buckets), results))
         if self.options.shard:  # the shards are the gradients now; .grad would be stale
-            st.results = outs
-            for r in st.ready:
+            for r in ready:
                 st.params[r.name].grad = None
         else:  # all-reduced: each parameter's .grad is its view of the reduced bucket
-            st.results = outs[len(st.ready):]
-            for r, g in zip(st.ready, outs):
+            for r, g in zip(ready, outs):
                 st.params[r.name].grad = g
 
-    def _build_flush_graph(self, st: StageSync) -> fx.GraphModule:
+    def _build_flush_graph(self, ready: list[GradSpec], layout: BucketLayout) -> fx.GraphModule:
         g, fake = fx.Graph(), FakeTensorMode()
         phs = []
-        for i, r in enumerate(st.ready):
+        for i, r in enumerate(ready):
             ph = g.placeholder(f"grad_{i}")
             ph.meta["val"] = fake.from_tensor(torch.empty(r.shape, dtype=r.dtype))
             phs.append(ph)
         g.output(tuple(phs))
         gm = fx.GraphModule(torch.nn.Module(), g)
-        insert_grad_sync(gm, self._spec(st.layout, {r.name: i for i, r in enumerate(st.ready)}, False))
+        insert_grad_sync(gm, self._spec(layout, {r.name: i for i, r in enumerate(ready)}, False))
         record = gm.meta[META_KEY]
         if self.options.shard:  # the gradient outputs are None: return the shards only
             out = gm.graph.output_node()
@@ -226,32 +278,37 @@ class GradSync:
         return gm
 
     # ---- checks before the first collective ----------------------------------------------
-    def _check_once(self) -> None:
-        st = self.state
-        if st.checked:
+    def _check_once(self, sg: SyncGraph) -> None:
+        """Before a sync graph's first collective: the cross-rank check over each of its groups, then
+        the verifier. A graph without tie collectives (split's backward graph) talks to its gradient
+        group only: the other stages are still in the schedule."""
+        if sg.checked:
             return
-        st.checked = True
-        record = st.sync_gm.meta[META_KEY]
+        sg.checked = True
+        st, record = self.state, sg.record
+        names = {s.name for b in sg.layout.buckets for s in b.slots}
+        ties = {n: t for n, t in self.ties.items() if n in names}
         layouts = {}
-        for name, tie in self.ties.items():
+        for name, tie in ties.items():
             bucket, slot = st.layout.locate(name)
             layouts[tie.key] = TieLayout(self.plan.rank, name, bucket.index, slot.offset, slot.numel,
                                          bucket.numel, st.layout.shards)
         peers, sequences = {}, {}
         if self.options.check_ranks:
-            peers, sequences = fingerprint.exchange_and_check(self, st.sync_gm, layouts)
-        ties = [TieCheck(t.key, record.spec.tie_groups[t.key], record.sources[n],
-                         [layouts[t.key]] + peers.get(t.key, []), sequences.get(t.key, {}))
-                for n, t in sorted(self.ties.items(), key=lambda kv: kv[1].key)]
-        st.verdict = verify_graph(st.sync_gm, ties, self.plan.rank)
+            peers, sequences = fingerprint.exchange_and_check(self, sg.gm, layouts, ties)
+        checks = [TieCheck(t.key, record.spec.tie_groups[t.key], record.sources[n],
+                           [layouts[t.key]] + peers.get(t.key, []), sequences.get(t.key, {}))
+                  for n, t in sorted(ties.items(), key=lambda kv: kv[1].key)]
+        sg.verdict = verify_graph(sg.gm, checks, self.plan.rank)
         if self.options.dump_dir:
             os.makedirs(self.options.dump_dir, exist_ok=True)
-            with open(os.path.join(self.options.dump_dir, f"rank{self.plan.rank}.json"), "w") as f:
-                json.dump(graph_to_json(st.sync_gm, ties, self.plan.rank), f)
-        if not st.verdict.ok:
+            suffix = "" if len(st.graphs) == 1 else f".{sg.where}"
+            with open(os.path.join(self.options.dump_dir, f"rank{self.plan.rank}{suffix}.json"), "w") as f:
+                json.dump(graph_to_json(sg.gm, checks, self.plan.rank), f)
+        if not sg.verdict.ok:
             if not self.options.allow_hazard:
-                raise TiedGradientHazard(f"gradsched refuses to run this gradient sync:\n{st.verdict}")
-            warnings.warn(f"gradsched: running a graph with a known hazard (allow_hazard=True):\n{st.verdict}")
+                raise TiedGradientHazard(f"gradsched refuses to run this gradient sync:\n{sg.verdict}")
+            warnings.warn(f"gradsched: running a graph with a known hazard (allow_hazard=True):\n{sg.verdict}")
 
     # ---- for the optimizer and the report -------------------------------------------------
     def _require_state(self) -> StageSync:
@@ -266,13 +323,19 @@ class GradSync:
 
     @property
     def results(self) -> list[torch.Tensor]:
-        return self._require_state().results
+        """This step's reduced buckets (shards, or whole buckets with shard=False) in layout order."""
+        return self._require_state().reduced()
+
+    def sync_graphs(self) -> list[SyncGraph]:
+        """The built sync graphs, in run order: the backward's, then the flush's."""
+        st = self._require_state()
+        return [st.graphs[w] for w in ("backward", "flush") if w in st.graphs and st.graphs[w].gm is not None]
 
     def schedule_report(self) -> str:
         return report.schedule_report(self)
 
     def tied_bytes_per_step(self) -> int:
-        return report.tied_bytes(self._require_state().sync_gm)
+        return sum(report.tied_bytes(sg.gm) for sg in self.sync_graphs())
 
 
 def attach(sync: GradSync, params) -> None:

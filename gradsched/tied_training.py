@@ -149,13 +149,15 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "tied_buckets": [sync.layout.locate(name)[0].index for name in sync.ties],
         "n_buckets": len(sync.layout.buckets),
         "report": sync.schedule_report(),
-        "verifier": "ok" if sync.state.verdict is None or sync.state.verdict.ok else "hazard",
-        "verdict": str(sync.state.verdict),
+        "verifier": "ok" if all(v.ok for v in sync.state.verdicts) else "hazard",
+        "verdict": "\n".join(map(str, sync.state.verdicts)),
         "tied_bytes_per_step": sync.tied_bytes_per_step(),
         "within_module_ties": model.within_module_ties,
-        "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls,
+        "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls, "flush_seconds": sync.flush_seconds,
         "code": code, "grads": grads,
-        "sync_graph_ops": [str(n.target) for n in sync.state.sync_gm.graph.nodes if n.op == "call_function"],
+        "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
+                           if n.op == "call_function"],
+        "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},
     }
 
 

@@ -64,7 +64,7 @@ def test_placement_backward_with_a_tie_across_stages_is_refused_before_the_first
     from gradsched.launch import RankFailed
     from gradsched.tied_training import Job, rank_main
     job = Job(pp=2, dp=1, steps=1, options={"compiler": "eager", "placement": "backward"})
-    with pytest.raises(RankFailed, match="would deadlock.*placement='flush'"):
+    with pytest.raises(RankFailed, match="would deadlock.*placement='split'"):
         run_ranks(rank_main, 2, job, timeout_s=120)
 
 

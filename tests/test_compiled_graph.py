@@ -24,18 +24,21 @@ def test_backward_graph_reductions_are_compiled_by_inductor_and_start_before_the
     assert compare(reference(job), ranks)["max_abs_diff"] < 1e-5
 
 
-def test_flush_graph_orders_the_tie_all_reduce_before_the_reduce_scatter_under_inductor():
+def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_where_its_all_reduce_feeds_its_reduce_scatter():
     job = Job(pp=2, dp=1, steps=2, capture_code=True, options={"compiler": "inductor"})
     ranks = run_ranks(rank_main, 2, job, timeout_s=400)
     for r in ranks:
-        code = "\n".join(r["code"])
+        (tied,) = r["tied_buckets"]  # stage 0: the embedding's bucket is last; stage 1: the head's is first
+        assert r["sync_graph_buckets"] == {"backward": [b for b in range(r["n_buckets"]) if b != tied],
+                                           "flush": [tied]}
+        code = "\n".join(r["code"])  # the backward graphs' code, then the flush graph's
         # calls only ("...default(buf"), not Inductor's size assertions that name the op
         reduce_scatters = list(re.finditer(r"_c10d_functional\.reduce_scatter_tensor\.default\((\w+),", code))
         (all_reduce,) = re.finditer(r"_c10d_functional\.all_reduce_?\.default\((\w+),", code)
-        assert len(reduce_scatters) == r["n_buckets"]  # one per bucket, in bucket order
-        (tied,) = r["tied_buckets"]  # stage 0: the embedding's bucket is last; stage 1: the head's is first
-        assert all_reduce.start() < reduce_scatters[tied].start()
-        # dp=1, so nothing scales between them: the reduce-scatter reads the all-reduced buffer itself
-        assert reduce_scatters[tied].group(1) == all_reduce.group(1)
+        assert len(reduce_scatters) == r["n_buckets"]  # one per bucket
+        # the flush graph's only reduce-scatter is the tied bucket's, after the all-reduce: dp=1, so
+        # nothing scales between them and it reads the all-reduced buffer itself
+        assert reduce_scatters[-1].start() > all_reduce.start() > reduce_scatters[-2].start()
+        assert reduce_scatters[-1].group(1) == all_reduce.group(1)
     cmp = compare(reference(job), ranks)
     assert cmp["max_abs_diff"] < 1e-5 and cmp["tied_bitwise_equal"]

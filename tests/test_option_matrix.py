@@ -44,6 +44,7 @@ CASES = {
     # placement, both ways round
     "pp2_dp2_placement_backward_no_tie": job(2, 2, variant="untied", placement="backward", microbatches=2),
     "pp1_dp4_placement_flush": job(1, 4, placement="flush", microbatches=2),
+    "pp2_dp2_placement_flush": job(2, 2, placement="flush", microbatches=2),
     # average=False: loss_fn is a sum, gradients are summed
     "pp1_dp4_sum": job(1, 4, loss="sum", average=False, microbatches=2),
     "pp2_dp2_sum_all_reduce": job(2, 2, loss="sum", average=False, shard=False),
@@ -105,6 +106,21 @@ def assert_like_one_process(job_, ranks):
                 assert abs(got - want) <= 1e-6 * abs(want), (got, want)
     assert all(r["verifier"] == "ok" for r in ranks)
     assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
+    for r in ranks:
+        assert r["sync_graph_buckets"] == expected_placement(job_, r)
+
+
+def expected_placement(job_, r) -> dict:
+    """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
+    if it holds a tied gradient; pp = 1 reduces in the backward."""
+    buckets = list(range(r["n_buckets"]))
+    placement = job_.options.get("placement", "auto")
+    if placement == "auto":
+        placement = "backward" if job_.pp == 1 else "split"
+    if placement != "split":
+        return {placement: buckets}
+    parts = {"backward": [b for b in buckets if b not in r["tied_buckets"]], "flush": sorted(r["tied_buckets"])}
+    return {k: v for k, v in parts.items() if v}
     for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
         assert sorted(r["named_parameters"]) == sorted(r["params"])
         assert list(r["state_dict"]) == list(ref["state_keys"])
