@@ -3,6 +3,7 @@ lines in a file under benchmarks/results/."""
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -16,3 +17,12 @@ def emit(rows: list[dict], out: str | Path | None) -> None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {out}", file=sys.stderr)
+
+
+def median_of_slowest(ranks: list[dict], key: str = "step_times") -> float:
+    """Median over steps of the slowest rank's time, leaving out the first step (it compiles)
+    unless it is the only one. Ranks that timed nothing under `key` (a stage with no flush graph)
+    are left out; nan when none timed anything."""
+    steps = list(zip(*(r[key] for r in ranks if r[key])))
+    steps = steps[1:] or steps
+    return statistics.median(max(s) for s in steps) if steps else float("nan")

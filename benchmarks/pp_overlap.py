@@ -13,20 +13,14 @@ benchmarks/results/pp_overlap.jsonl.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
-from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.tied_training import Job, gradient_error, rank_main, reference
 from gradsched.tiny_gpt import GPTConfig
 
 PLACEMENTS = ("flush", "split")
-
-
-def median_of_slowest(ranks: list[dict], key: str) -> float:
-    per_step = list(zip(*(r[key] for r in ranks)))[1:]
-    return statistics.median(max(s) for s in per_step) if per_step else float("nan")
 
 
 def main(argv=None) -> int:

@@ -12,20 +12,13 @@ which compiles).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
-from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.tied_training import Job, compare, rank_main, reference
 
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
-
-
-def step_time(ranks: list[dict]) -> float:
-    """Median over steps (after the first) of the slowest rank's step time."""
-    steps = list(zip(*(r["step_times"] for r in ranks)))[1:] or list(zip(*(r["step_times"] for r in ranks)))
-    return statistics.median(max(s) for s in steps)
 
 
 def main(argv=None) -> int:
@@ -49,7 +42,7 @@ def main(argv=None) -> int:
                            "allow_hazard": mode == "unsafe_rs_first"})
         ranks = run_ranks(rank_main, args.pp * args.dp, job, timeout_s=600)
         cmp = compare(reference(job), ranks)
-        times[mode] = step_time(ranks)
+        times[mode] = median_of_slowest(ranks)
         rows.append({
             "bench": "tied_grad_sync", "pp": args.pp, "dp": args.dp, "mode": mode,
             "microbatches": args.microbatches, "steps": args.steps, "compiler": args.compiler,

@@ -47,27 +47,37 @@ def _from_user_code(message: str) -> str | None:
     """Dynamo and export trace bytecode, so the user's frames are in their message, not the traceback."""
     if "from user code:" not in message:
         return None
-    lines = message.split("from user code:", 1)[1].strip().splitlines()
-    files = [i for i, line in enumerate(lines)  # generated code ('File "<eval_with_key>.3"') is not the user's
-             if line.strip().startswith('File "') and not line.strip().startswith('File "<')]
-    if not files:
-        return None
-    i = files[-1]
-    code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-    return f"{lines[i].strip()}, code: {code}"
+    frames = [(f, code) for f, code in _frames_of(message.split("from user code:", 1)[1])
+              if not f.startswith('File "<')]  # generated code ('File "<eval_with_key>.3"') is not the user's
+    return f"{frames[-1][0]}, code: {frames[-1][1]}" if frames else None
 
 
 def user_frame(exc: BaseException) -> str | None:
-    """'file:line in fn, code: ...' of the innermost frame of the user's own code in exc's chain."""
+    """'file:line in fn, code: ...' of the innermost frame of the user's own code in exc's chain: from
+    Dynamo's and export's "from user code", else the innermost user frame that gradsched called (a loss
+    function, a Python op), never the script that called gradsched."""
     for e in _chain(exc):
         found = _from_user_code(str(e))
         if found:
             return found
     for e in _chain(exc):
-        for fr in reversed(traceback.extract_tb(e.__traceback__)):
-            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")):
+        frames = traceback.extract_tb(e.__traceback__)
+        own = [i for i, fr in enumerate(frames) if fr.filename.startswith(_OWN_DIR)]
+        for fr in reversed(frames[own[-1] + 1:] if own else frames):  # a cause's traceback starts below us
+            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")) and not _compiled_file(fr.filename):
                 return f"{fr.filename}:{fr.lineno} in {fr.name}, code: {fr.line}"
     return None
+
+
+def _compiled_file(filename: str) -> bool:
+    """Inductor's generated modules (in its cache directory) are not the user's code."""
+    return "torchinductor" in filename
+
+
+def _stage_error(what: str, cause: BaseException, where: str | None, note: str = "") -> StageError:
+    text = str(cause).strip()
+    return StageError(f"{what}: {type(cause).__name__}: {text.splitlines()[0] if text else ''}"
+                      + (f"\n  at {where}" if where else note))
 
 
 def root_cause(exc: BaseException) -> BaseException:
@@ -159,47 +169,18 @@ def node_user_line(exc: BaseException, module: torch.nn.Module | None = None) ->
     return None
 
 
-def _compiled_file(filename: str) -> bool:
-    """Inductor's generated modules (in its cache directory) are not the user's code."""
-    return "torchinductor" in filename
-
-
-def _called_user_frame(exc: BaseException) -> str | None:
-    """The innermost frame of the user's code that gradsched called (a loss function, a Python
-    op), not the script that called gradsched."""
-    for e in _chain(exc):
-        frames = traceback.extract_tb(e.__traceback__)
-        own = [i for i, fr in enumerate(frames) if fr.filename.startswith(_OWN_DIR)]
-        for fr in reversed(frames[own[-1] + 1:] if own else []):
-            if not fr.filename.startswith(_LIBRARY_DIRS + (_OWN_DIR, "<")) and not _compiled_file(fr.filename):
-                return f"{fr.filename}:{fr.lineno} in {fr.name}, code: {fr.line}"
-    return None
-
-
 def in_stage(what: str, exc: BaseException, module: torch.nn.Module | None, compiler: str) -> StageError:
     """A StageError with the model's own error and, where it can be mapped, the user's line.
 
     The model's error is the root of the chain, under pipelining's "failed to run forward" and,
     with fullgraph=True, Dynamo's "Attempt to trace generator" (Dynamo traces the GraphModule's
     own error handler, cannot trace its generator, and raises that instead)."""
-    cause = root_cause(exc)
-    where = node_user_line(exc, module) or next(filter(None, map(_from_user_code, map(str, _chain(exc)))), None) \
-        or _called_user_frame(exc)
-    text = str(cause).strip()
-    msg = f"{what}: {type(cause).__name__}: {text.splitlines()[0] if text else ''}"
-    if where:
-        return StageError(msg + f"\n  at {where}")
-    if compiler != "eager":
-        return StageError(msg + f"\n  (raised in {compiler}'s compiled code, which keeps no source line; "
-                          "compiler='eager' names the model's line)")
-    return StageError(msg)
+    note = "" if compiler == "eager" else (f"\n  (raised in {compiler}'s compiled code, which keeps no source "
+                                           "line; compiler='eager' names the model's line)")
+    return _stage_error(what, root_cause(exc), node_user_line(exc, module) or user_frame(exc), note)
 
 
 def in_user_code(what: str, exc: BaseException) -> StageError | None:
     """A StageError naming where the user's code failed, or None if no user frame is known."""
     where = user_frame(exc)
-    if where is None:
-        return None
-    cause = root_cause(exc)
-    return StageError(f"{what}: {type(cause).__name__}: {str(cause).strip().splitlines()[0] if str(cause) else ''}\n"
-                      f"  at {where}")
+    return None if where is None else _stage_error(what, root_cause(exc), where)
