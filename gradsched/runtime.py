@@ -38,7 +38,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes import GradSpec, SyncSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, \
     plan_buckets, verify_graph
-from gradsched.passes.bucketing import BucketLayout
+from gradsched.passes.bucketing import BucketLayout, place_buckets
 from gradsched.passes.graph_utils import META_KEY
 from gradsched.passes.verify import TiedGradientHazard, graph_to_json
 
@@ -81,16 +81,6 @@ class StageSync:
     @property
     def verdicts(self) -> list:
         return [g.verdict for g in self.graphs.values() if g.verdict is not None]
-
-
-def split_layout(layout: BucketLayout, placement: str) -> dict[str, BucketLayout]:
-    """Which buckets each graph reduces: "backward" and "flush" -> sub-layouts (no empty one)."""
-    tied = [b for b in layout.buckets if any(s.tie for s in b.slots)]
-    untied = [b for b in layout.buckets if b not in tied]
-    parts = {"backward": layout.buckets, "flush": ()} if placement == "backward" else \
-        {"backward": (), "flush": layout.buckets} if placement == "flush" else \
-        {"backward": tuple(untied), "flush": tuple(tied)}
-    return {where: BucketLayout(tuple(buckets), layout.shards) for where, buckets in parts.items() if buckets}
 
 
 class GradSync:
@@ -183,7 +173,7 @@ class GradSync:
                               # keeps ready order, where #844 bites.
                               align_ties=self.options.mode != "unsafe_rs_first")
         self.state = StageSync(ready, layout, params)
-        self.state.graphs = {where: SyncGraph(where, part) for where, part in split_layout(layout, self.placement).items()}
+        self.state.graphs = {where: SyncGraph(where, part) for where, part in place_buckets(layout, self.placement).items()}
         attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())

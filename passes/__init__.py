@@ -5,8 +5,11 @@ The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph:
   1. grad_ready_order   (grad_ready_order.py)  read the order gradients become ready
   2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized;
                                                ties aligned in shard_aligned mode
+  2b. place_buckets     (bucketing.py)         which graph reduces each bucket: the last
+                                               micro-batch's backward, or the flush (tied
+                                               buckets under placement="split")
   3. insert_grad_sync   (grad_sync.py)         tie all-reduce -> bucket reduce-scatter
-                                               (a data dependence), per mode
+                                               (a data dependence), per mode, on each graph
   4. verify_graph       (verify.py)            prove the order or the alignment, per tie
 
 Context parallelism (context_parallel.py) lowers attention into ring steps on the
@@ -16,11 +19,11 @@ Each pass's module docstring states the invariant it establishes and what it ass
 `GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline and the
 graph it produces.
 """
-from .bucketing import BucketLayout, plan_buckets
+from .bucketing import BucketLayout, place_buckets, plan_buckets
 from .grad_ready_order import GradSpec, grad_ready_order
 from .grad_sync import SyncSpec, insert_grad_sync
 from .verify import TieCheck, TieLayout, TiedGradientHazard, Verdict, check, verify_graph
 
 
 __all__ = ["BucketLayout", "GradSpec", "SyncSpec", "TieCheck", "TieLayout", "TiedGradientHazard", "Verdict",
-           "check", "grad_ready_order", "insert_grad_sync", "plan_buckets", "verify_graph"]
+           "check", "grad_ready_order", "insert_grad_sync", "place_buckets", "plan_buckets", "verify_graph"]

@@ -11,6 +11,12 @@ exactly 1/shards of it, which is what shard-aligned mode needs (the verifier
 still checks it rather than trusting this). It also makes every copy's
 reduce-scatter sum each element in the same order, so copies that start equal
 stay bitwise equal.
+
+`place_buckets` then says which graph reduces each bucket. Invariant: under
+"split", a bucket holding a tied gradient is never placed in the backward graph
+(its tie all-reduce spans stages, and a stage's backward cannot wait on another
+stage before sending its input gradient: a deadlock); every other bucket is.
+Every bucket is placed exactly once, and indices are kept.
 """
 from __future__ import annotations
 
@@ -102,3 +108,18 @@ def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
             close()
     close()
     return BucketLayout(tuple(buckets), shards)
+
+
+def place_buckets(layout: BucketLayout, placement: str) -> dict[str, BucketLayout]:
+    """"backward" and/or "flush" -> the sub-layout that graph reduces (no empty one).
+
+    placement: "split" (tied buckets at the flush, the others in the backward), "backward"
+    or "flush" (every bucket there)."""
+    if placement in ("backward", "flush"):
+        parts = {placement: layout.buckets}
+    elif placement == "split":
+        tied = tuple(b for b in layout.buckets if any(s.tie for s in b.slots))
+        parts = {"backward": tuple(b for b in layout.buckets if b not in tied), "flush": tied}
+    else:
+        raise ValueError(f"placement={placement!r}: one of 'split', 'backward', 'flush'.")
+    return {where: BucketLayout(buckets, layout.shards) for where, buckets in parts.items() if buckets}

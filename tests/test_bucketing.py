@@ -1,7 +1,7 @@
 """Bucket planning: ready order, shard-sized buckets, aligned ties."""
 import torch
 
-from gradsched.passes.bucketing import owned_range, plan_buckets, round_up
+from gradsched.passes.bucketing import owned_range, place_buckets, plan_buckets, round_up
 from gradsched.passes.grad_ready_order import GradSpec
 
 
@@ -46,3 +46,20 @@ def test_unaligned_ties_land_at_different_offsets():
     a = plan_buckets(first, bucket_mb=1.0, shards=2, ties={"head": "t"})
     b = plan_buckets(last, bucket_mb=1.0, shards=2, ties={"emb": "t"})
     assert a.locate("head")[1].offset == 0 and b.locate("emb")[1].offset == 13
+
+
+def test_split_placement_sends_exactly_the_buckets_with_a_tied_gradient_to_the_flush():
+    # unsafe_rs_first's layout (no alignment): the tied gradient shares a bucket with others
+    for align in (True, False):
+        layout = plan_buckets(specs(6, 10, 6, 4), bucket_mb=16 * 4 / 2**20, shards=2, ties={"p1": "t"},
+                              align_ties=align)
+        placed = place_buckets(layout, "split")
+        flush = [b.index for b in placed["flush"].buckets]
+        assert flush == [b.index for b in layout.buckets if any(s.name == "p1" for s in b.slots)]
+        assert sorted(flush + [b.index for b in placed["backward"].buckets]) == [b.index for b in layout.buckets]
+
+
+def test_placement_backward_or_flush_puts_every_bucket_in_one_graph_and_an_untied_stage_has_no_flush():
+    layout = plan_buckets(specs(6, 10), bucket_mb=8 * 4 / 2**20, shards=2)
+    assert list(place_buckets(layout, "flush")) == ["flush"] and list(place_buckets(layout, "backward")) == ["backward"]
+    assert list(place_buckets(layout, "split")) == ["backward"]
