@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH := torch==2.13.0
 
-.PHONY: demo test bench clean
+.PHONY: demo test gpu-test bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,11 @@ demo: $(VENV)/.installed
 
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+
+# On a CUDA machine, with its own CUDA torch (no venv: the pinned CPU wheel has no CUDA).
+gpu-test:
+	$(PYTHON) -m pytest -q -m gpu tests
+	$(PYTHON) benchmarks/cp_rank_compute.py --device cuda --cp 2 4 8 --out ''
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3

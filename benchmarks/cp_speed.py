@@ -19,6 +19,18 @@ sequence the same way). Three implementations of forward + backward over those s
                         as torch's tests do: the public context_parallel() has no sharding
                         strategy for the CPU flash op
     gradsched_eager     the same ring_attention call without torch.compile
+    gradsched_fewest_roundings   (reduced dtypes only) gradsched_inductor with
+                        fewest_roundings=True: one kernel call per row chunk where a window
+                        holds its whole attention, a causal mask tensor on it
+
+The limit, measured side by side in the same run: every rank runs the single-device
+kernel (forward + backward, same dtype) over the whole sequence for heads/cp of the heads,
+all ranks at once between the same barriers. That is one device's work divided by cp,
+under the same contention for the machine's cores and memory as the rings; with no
+communication and no split of the sequence, no ring can beat it. fraction_of_limit =
+limit / median time. The same kernel over all heads in this process alone, before the
+ranks start, is reported too (full_kernel_ms_alone / cp): on a machine with fewer cores
+than ranks it is not a bound the ranks can reach.
 
 Before timing, every rank checks that the three give the same out, dq, dk, dv on its
 shard (fp32: rtol 1e-4, atol 1e-5; other dtypes: within a few of that dtype's eps).
@@ -55,10 +67,12 @@ from gradsched.ring_attention import ring_attention
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
+from cp_numerics import single_process as single_kernel  # noqa: E402
 from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_speed.jsonl")
-IMPLS = ("gradsched_inductor", "torch_ring", "gradsched_eager")
+IMPLS = ("gradsched_inductor", "torch_ring", "gradsched_eager", "gradsched_fewest_roundings",
+         "limit")
 
 
 def log(msg: str) -> None:
@@ -100,7 +114,19 @@ def _rank(rank: int, world: int, cfg: dict):
     def attend(ql, kl, vl):
         return ring_attention(ql, kl, vl, group, causal=causal, comm=cfg["comm"])
 
+    def attend_fewest(ql, kl, vl):
+        return ring_attention(ql, kl, vl, group, causal=causal, comm=cfg["comm"],
+                              fewest_roundings=True)
+
     compiled = torch.compile(attend, fullgraph=True, backend="inductor")
+    heads = cfg["heads"] // world  # the limit: this rank's share of the heads, whole sequence
+    full = [x[:, :h].contiguous() for x, h in zip(
+        (torch.randn(shape(cfg["heads"]), generator=g).to(dtype) for _ in range(4)),
+        (heads, heads * cfg["kv_heads"] // cfg["heads"], heads * cfg["kv_heads"] // cfg["heads"],
+         heads))]
+
+    def limit():
+        return single_kernel(*full, causal)
 
     def gradsched(fn):
         def run():
@@ -113,26 +139,33 @@ def _rank(rank: int, world: int, cfg: dict):
     impls = {"gradsched_inductor": gradsched(compiled),
              "torch_ring": lambda: torch_ring_attention(q, k, v, dout, causal),
              "gradsched_eager": gradsched(attend)}
+    if dtype != torch.float32:  # the option changes nothing in fp32
+        impls["gradsched_fewest_roundings"] = gradsched(
+            torch.compile(attend_fewest, fullgraph=True, backend="inductor"))
 
     t0 = time.perf_counter()
     results = {"gradsched_inductor": impls["gradsched_inductor"]()}  # compiles fwd and bwd
     compile_s = time.perf_counter() - t0
     if rank == 0:
         log(f"Inductor compile (first forward+backward): {compile_s:.1f} s")
-    for name in ("torch_ring", "gradsched_eager"):
-        results[name] = impls[name]()
+    for name in impls:
+        if name not in results:
+            results[name] = impls[name]()
+    impls["limit"] = limit
 
     # the three agree: each against torch's ring, on this rank's shard
     tol = dict(rtol=1e-4, atol=1e-5) if dtype == torch.float32 else \
         dict(rtol=4 * torch.finfo(dtype).eps, atol=4 * torch.finfo(dtype).eps)
     diffs = {}
-    for name in ("gradsched_inductor", "gradsched_eager"):
+    for name in results:
+        if name == "torch_ring":
+            continue
         for label, a, b in zip(("out", "dq", "dk", "dv"), results[name], results["torch_ring"]):
             torch.testing.assert_close(a, b, **tol, msg=lambda m: f"rank {rank} {name} {label} "
                                        f"differs from torch_ring: {m}")
         diffs[name] = max((a.double() - b.double()).abs().max().item()
                           for a, b in zip(results[name], results["torch_ring"]))
-    diffs["torch_ring"] = 0.0
+    diffs["torch_ring"] = diffs["limit"] = 0.0
     if rank == 0:
         log(f"outputs agree (max |diff| vs torch_ring: "
             f"{', '.join(f'{n} {d:.2g}' for n, d in diffs.items() if n != 'torch_ring')})")
@@ -178,17 +211,31 @@ def main(argv=None) -> list[dict]:
     a = p.parse_args(argv)
     if a.seq % (2 * a.cp):
         p.error(f"--seq {a.seq} must be a multiple of 2*cp={2 * a.cp} (load-balanced layout)")
+    if a.heads % a.cp or (a.kv_heads or a.heads) % a.cp:
+        p.error(f"--heads {a.heads} and --kv-heads must be multiples of cp={a.cp}: the limit "
+                "splits the single-device kernel's work by heads")
     cfg = dict(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, dim=a.dim, batch=a.batch,
                dtype=a.dtype, causal=a.causal, comm=a.comm, iters=a.iters, warmup=a.warmup,
                seed=a.seed)
+
+    torch.set_num_threads(1)  # as each rank runs
+    g = torch.Generator().manual_seed(a.seed)
+    whole = [torch.randn(a.batch, h, a.seq, a.dim, generator=g).to(DTYPES[a.dtype])
+             for h in (a.heads, cfg["kv_heads"], cfg["kv_heads"], a.heads)]
+    single_kernel(*whole, a.causal)
+    t0 = time.perf_counter()
+    single_kernel(*whole, a.causal)
+    alone_ms = (time.perf_counter() - t0) * 1e3
+    log(f"the kernel over the whole sequence, alone, 1 thread: {alone_ms:.0f} ms")
 
     t0 = time.perf_counter()
     per_rank = run_ranks(_rank, a.cp, cfg, timeout_s=a.timeout, collective_timeout_s=a.timeout)
     log(f"{a.cp} ranks: {time.perf_counter() - t0:.1f} s in all")
 
-    medians = {n: statistics.median(per_rank[0]["times"][n]) for n in IMPLS}
+    impls = [n for n in IMPLS if n in per_rank[0]["times"]]
+    medians = {n: statistics.median(per_rank[0]["times"][n]) for n in impls}
     rows = []
-    for name in IMPLS:
+    for name in impls:
         rows.append({
             "bench": "cp_speed", "impl": name, "cp": a.cp, "seq": a.seq, "heads": a.heads,
             "kv_heads": cfg["kv_heads"], "dim": a.dim, "batch": a.batch, "dtype": a.dtype,
@@ -198,6 +245,8 @@ def main(argv=None) -> list[dict]:
             "fwd_bwd_ms_median": round(medians[name], 2),
             "fwd_bwd_ms_min": round(min(per_rank[0]["times"][name]), 2),
             "ratio_vs_torch_cp": round(medians[name] / medians["torch_ring"], 3),
+            "fraction_of_limit": round(medians["limit"] / medians[name], 3),
+            "full_kernel_ms_alone_over_cp": round(alone_ms / a.cp, 2),
             "peak_mem_mb_per_rank": round(max(r["memory"][name][0] for r in per_rank), 2),
             "mem_method": per_rank[0]["memory"][name][1],
             "max_abs_diff_vs_torch": max(r["diffs"][name] for r in per_rank),

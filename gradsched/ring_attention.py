@@ -20,16 +20,20 @@ Without load balancing (rank r holds chunk r of cp) the steps with s > r compute
 nothing, but their collectives still run: every rank issues the same collectives in
 the same order, whatever it computes.
 
-Kernel calls: the blocks above are cut per local row chunk and grouped over windows of
-ring steps (forward: FORWARD_WINDOW = 3 steps, whose K/V a rank keeps until the window
-ends; backward: 2 steps, calls of at most KV_TILE keys). With a reduced input dtype the
-kernel rounds each call's result (block out; block dq) to that dtype, one rounding per
-call a row spans; so a row chunk whose whole attention lies in one window gets ONE call
-(causal aligned to the bottom right, as a mask), which makes it as accurate as the kernel
-over the whole sequence. Elsewhere the diagonal chunk gets its own causal call and
-the fully visible chunks of a window share one. In backward the dK/dV of the K/V held at
-step t travel on at step t+1 (one step behind the K/V), so that a window can finish them.
-Saved for backward: only the local q, k, v, out and LSE; transient: up to 3 visiting K/V.
+Kernel calls (gradsched.attention_kernels runs them): the blocks above are cut per local
+row chunk. Blocks that are fully masked are never computed, and every diagonal block is a
+square the kernel computes with its own causal path (is_causal), so a rank computes what
+its rows see and nothing else. The fully visible blocks of a window of ring steps share
+one call (forward: step 0 alone, so that it computes while the next K/V travel, then
+FORWARD_WINDOW = 3 steps, whose K/V a rank keeps until the window ends; backward: 2
+steps). With a reduced input dtype a kernel rounds each call's result (block out; block
+dq) to that dtype, so fewer, larger calls are also fewer roundings. `fewest_roundings`
+goes one further: a row chunk whose whole attention lies in one window gets ONE call
+(causal aligned to the bottom right, as a mask tensor), as accurate as the kernel over
+the whole sequence but slower, as the kernels compute a masked block densely. In
+backward the dK/dV of the K/V held at step t travel on at step t+1 (one step behind the
+K/V), so that a window can finish them. Saved for backward: only the local q, k, v, out
+and LSE; transient: up to 3 visiting K/V.
 
 Numerics (`accumulate`):
     "fp32"         blocks run in the input dtype; outs merge in fp32, dq/dk/dv sum in
@@ -53,6 +57,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gradsched.attention_kernels import attend, attend_backward, dq_tile
+
 ACCUMULATE_MODES = ("fp32", "input", "fp32_blocks")
 COMM_MODES = ("ring", "allgather")
 _c10d = torch.ops._c10d_functional
@@ -69,7 +75,8 @@ def _unsupported(call: str, reason: str, fix: str) -> RingAttentionError:
 def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: int, cp: int,
                          causal: bool, load_balance: bool = True, dropout_p: float = 0.0,
                          has_attn_mask: bool = False, accumulate: str = "fp32",
-                         comm: str = "ring") -> None:
+                         comm: str = "ring", fewest_roundings: bool = False,
+                         device_type: str = "cpu") -> None:
     """Raise RingAttentionError if the ring cannot run this attention call.
 
     `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
@@ -98,6 +105,14 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            f"Choose one of {ACCUMULATE_MODES}.")
     if comm not in COMM_MODES:
         raise _unsupported(call, f"comm={comm!r} is unknown", f"Choose one of {COMM_MODES}.")
+    if fewest_roundings and device_type != "cpu":
+        # Its joined calls need a mask tensor, which on CUDA only the memory-efficient kernel
+        # takes: measured on an H100 (torch 2.11) at 27% of the limit, and with wrong dq/dk
+        # in bf16/fp16 causal against fp64 (tests/test_gpu.py caught it).
+        raise _unsupported(call, f"fewest_roundings=True is for the CPU kernel, and the tensors "
+                           f"are on {device_type!r}", "Leave fewest_roundings off: on CUDA the "
+                           "flash kernel sums each call in fp32, and the default schedule meets "
+                           "the numerics targets.")
 
 
 # ---- the schedule: which block a rank computes at each ring step ----------------------
@@ -106,8 +121,6 @@ FORWARD_WINDOW = 3
 """Ring steps whose K/V a forward kernel call may cover (per local row chunk)."""
 BACKWARD_WINDOW = 2
 """Ring steps a backward call may cover: at most 2, as dK/dV travel one step behind K/V."""
-KV_TILE = 512
-"""Keys per tile of the CPU flash kernel (kvSplitSize): backward calls are packed up to it."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,7 @@ class _Ring:
     accumulate: str
     group_name: str = ""
     comm: str = "ring"
+    fewest_roundings: bool = False
 
     @property
     def parts(self) -> int:  # local rows are kept as this many chunks
@@ -168,32 +182,6 @@ def _pieces(ring: _Ring, qid: int, window) -> list[list[_Piece]]:
 
 
 # ---- block kernels ----------------------------------------------------------------------
-
-def _attend(q, k, v, causal: bool, scale: float, mask=None):
-    """One block: (out in q's dtype, LSE float32 [B, H, Lq]). Causal only for square blocks."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
-    # NOTE: the CUDA path (memory-efficient kernel: every dtype, returns LSE) has not been
-    # run on a GPU yet; its LSE comes padded to a multiple of 32 rows.
-    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q, k, v, mask, True, 0.0, causal, scale=scale)[:2]
-    return out, lse[..., : q.shape[2]].contiguous()
-
-
-def _attend_backward(dout, q, k, v, out, lse, causal: bool, scale: float, mask=None):
-    """Gradients (dq, dk, dv) of one block, given the merged out and LSE of its rows."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
-    rows = q.shape[2]
-    lse = torch.nn.functional.pad(lse, (0, -rows % 32))
-    seed = torch.zeros((), dtype=torch.int64, device=q.device)
-    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, mask, out, lse, seed, seed, 0.0, [True, True, True, False], causal,
-        scale=scale)
-    return dq, dk, dv
-
 
 def _expand_heads(x, q_heads: int):
     """K/V with kv heads -> q heads (head j of q reads kv head j // groups), for the kernel."""
@@ -255,18 +243,29 @@ def _keys(pieces: list[_Piece], ring: _Ring, rows: int, dtype: torch.dtype):
     return k, v, False, mask
 
 
+def _by_pos(pieces: list[_Piece]) -> list[_Piece]:
+    """Pieces in sequence order. (A plain insertion sort: Dynamo refuses sorted() with a
+    key read off these objects in some traces.)"""
+    out: list[_Piece] = []
+    for p in pieces:
+        i = len(out)
+        while i and out[i - 1].pos > p.pos:
+            i -= 1
+        out.insert(i, p)
+    return out
+
+
 def _calls(ring: _Ring, qid: int, window, rounded: bool, limit: int | None = None):
     """The kernel calls of row chunk `qid` over `window`: lists of pieces, in sequence order.
 
-    Each call a row spans costs one more rounding of its result to the input dtype (the
-    block out in forward, the block dq in backward) when the kernel runs in a reduced
-    dtype (`rounded`); a row chunk that ONE call covers whole is as accurate as the kernel
-    over the whole sequence. So when the window holds every chunk the row chunk sees (and
-    they fit `limit` keys), they go into one call, with a bottom-right causal mask if its
-    diagonal chunk is among them. Otherwise nothing is gained by joining the diagonal to
-    the others (the rows span two calls or more either way), and it gets its own causal
-    call, without a mask; the fully visible chunks of the window share calls of at most
-    `limit` keys (forward: no limit), consecutive steps together.
+    The diagonal chunk gets its own causal call (a square: no mask). The fully visible
+    chunks of the window share calls of at most `limit` keys (forward: no limit),
+    consecutive steps together: each call a row spans costs one more rounding of its
+    result (the block out in forward, the block dq in backward) when the kernel runs in
+    a reduced dtype (`rounded`). With ring.fewest_roundings, a row chunk whose every
+    visible chunk is in the window (and fits `limit`) gets ONE call, with a bottom-right
+    causal mask if its diagonal chunk is among them: as accurate as the kernel over the
+    whole sequence, slower for the mask.
     """
     blocks = _pieces(ring, qid, window)
     pieces = [p for block in blocks for p in block]
@@ -274,8 +273,8 @@ def _calls(ring: _Ring, qid: int, window, rounded: bool, limit: int | None = Non
         return []
     chunk = pieces[0].k.shape[2] // ring.parts
     fits = limit is None or len(pieces) * chunk <= limit
-    if rounded and fits and len(pieces) == ring.seen(qid):
-        return [sorted(pieces, key=lambda p: p.pos)]
+    if ring.fewest_roundings and rounded and fits and len(pieces) == ring.seen(qid):
+        return [_by_pos(pieces)]
     calls = [[p] for p in pieces if p.diag]
     current = []
     for block in blocks:
@@ -283,11 +282,11 @@ def _calls(ring: _Ring, qid: int, window, rounded: bool, limit: int | None = Non
         if not block:
             continue
         if current and limit is not None and (len(current) + len(block)) * chunk > limit:
-            calls.append(sorted(current, key=lambda p: p.pos))
+            calls.append(_by_pos(current))
             current = []
         current = current + block
     if current:
-        calls.append(sorted(current, key=lambda p: p.pos))
+        calls.append(_by_pos(current))
     return calls
 
 
@@ -310,22 +309,25 @@ def _plan(ring: _Ring, window, rounded: bool, limit: int | None = None):
         return [((0,), c) for c in per_row[0]]
     early, late = per_row
     plan = []
-    d0 = next((c for c in early if len(c) == 1 and c[0].diag), None)
-    d1 = next((c for c in late if len(c) == 1 and c[0].diag), None)
-    own = next(((c, p) for c in late for p in c if p.step == 0 and p.index == 0), None)
-    if d0 and d1 and own:
-        group, piece = own
-        rest = [p for p in group if p is not piece]
-        late = [c for c in late if c is not d1 and c is not group] + ([rest] if rest else [])
-        early = [c for c in early if c is not d0]
-        plan.append(((0, 1), [piece, d1[0]]))
+    # Calls are picked by index, not identity: older Dynamo (torch 2.11) cannot trace
+    # `is` between lists.
+    i0 = next((i for i, c in enumerate(early) if len(c) == 1 and c[0].diag), None)
+    i1 = next((i for i, c in enumerate(late) if len(c) == 1 and c[0].diag), None)
+    own = next(((i, j) for i, c in enumerate(late) for j, p in enumerate(c)
+                if p.step == 0 and p.index == 0), None)
+    if i0 is not None and i1 is not None and own is not None:
+        gi, pj = own
+        rest = [p for j, p in enumerate(late[gi]) if j != pj]
+        plan.append(((0, 1), [late[gi][pj], late[i1][0]]))
+        late = [c for i, c in enumerate(late) if i != i1 and i != gi] + ([rest] if rest else [])
+        early = [c for i, c in enumerate(early) if i != i0]
     for c in early:  # the same fully visible keys for both row chunks: one call
         same = [(p.step, p.index) for p in c]
         twin = None if any(p.diag for p in c) else next(
-            (t for t in late
+            (i for i, t in enumerate(late)
              if not any(p.diag for p in t) and [(p.step, p.index) for p in t] == same), None)
         if twin is not None:
-            late = [t for t in late if t is not twin]
+            late = [t for i, t in enumerate(late) if i != twin]
         plan.append(((0, 1) if twin is not None else (0,), c))
     return plan + [((1,), c) for c in late]
 
@@ -340,7 +342,7 @@ def _forward_window(state: list, q, rows: list, window, ring: _Ring) -> None:
     for parts, pieces in _plan(ring, window, _rounded(q.dtype)):
         x = rows[parts[0]] if len(parts) == 1 else q
         k, v, causal, mask = _keys(pieces, ring, x.shape[2], x.dtype)
-        out, lse = _attend(x, _expand_heads(k, heads), _expand_heads(v, heads), causal,
+        out, lse = attend(x, _expand_heads(k, heads), _expand_heads(v, heads), causal,
                            ring.scale, mask)
         outs = (out,) if len(parts) == 1 else out.chunk(len(parts), dim=2)
         lses = (lse,) if len(parts) == 1 else lse.chunk(len(parts), dim=2)
@@ -375,13 +377,11 @@ def _backward_window(dq: list, rows: list, window, grads: dict, ring: _Ring, ksh
     here). rows: `_rows_for_backward`."""
     heads = rows[0][0].shape[1]
     dtype = dq[0].dtype
-    # The CPU kernel adds each KV tile's (512 keys) dq into its output in the input dtype:
-    # past one tile, its running sum is worse than ours in fp32.
-    rounded = _rounded(rows[0][0].dtype)
-    for parts, pieces in _plan(ring, window, rounded, KV_TILE if rounded else None):
+    x = rows[0][0]
+    for parts, pieces in _plan(ring, window, _rounded(x.dtype), dq_tile(x.device.type, x.dtype)):
         q, out, dout, lse = rows[1 + parts[0]] if len(parts) == 1 else rows[0]
         k, v, causal, mask = _keys(pieces, ring, q.shape[2], q.dtype)
-        gq, gk, gv = _attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
+        gq, gk, gv = attend_backward(dout, q, _expand_heads(k, heads), _expand_heads(v, heads),
                                       out, lse, causal, ring.scale, mask)
         for p, g in zip(parts, (gq,) if len(parts) == 1 else gq.chunk(len(parts), dim=2)):
             dq[p] += g
@@ -399,6 +399,16 @@ def _backward_window(dq: list, rows: list, window, grads: dict, ring: _Ring, ksh
 def _window_ends(cp: int, size: int) -> set[int]:
     """Steps after which a window of `size` steps is computed (the last step ends one)."""
     return {s for s in range(cp) if s % size == size - 1 or s == cp - 1}
+
+
+def _forward_ends(ring: _Ring) -> set[int]:
+    """Forward windows: step 0 (the local K/V) alone, so that it computes while the next
+    K/V travel, then FORWARD_WINDOW steps each. With fewest_roundings, windows of
+    FORWARD_WINDOW from step 0, so that at cp <= FORWARD_WINDOW one window holds the
+    whole ring and a row's attention can be one call."""
+    if ring.fewest_roundings:
+        return _window_ends(ring.cp, FORWARD_WINDOW)
+    return {0} | {s + 1 for s in _window_ends(ring.cp - 1, FORWARD_WINDOW)}
 
 
 def _flat(k, v):
@@ -438,7 +448,7 @@ def _ring_forward(q, k, v, ring: _Ring):
     state = [[None, None] for _ in range(ring.parts)]
     kv = _flat(k, v)
     gathered = _all_gather(kv, ring) if ring.comm == "allgather" and ring.cp > 1 else None
-    ends = _window_ends(ring.cp, FORWARD_WINDOW)
+    ends = _forward_ends(ring)
     pending, window = None, []
     for step in range(ring.cp):
         src = (ring.rank - step) % ring.cp
@@ -517,8 +527,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring: _Ring):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group_name, rank, cp, causal, scale, accumulate, comm, load_balance):
-        ring = _Ring(rank, cp, causal, load_balance, scale, accumulate, group_name, comm)
+    def forward(ctx, q, k, v, group_name, rank, cp, causal, scale, accumulate, comm, load_balance,
+                fewest_roundings):
+        ring = _Ring(rank, cp, causal, load_balance, scale, accumulate, group_name, comm,
+                     fewest_roundings)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out, lse, saved_out = _ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, saved_out, lse)
@@ -530,7 +542,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, ctx.ring)
-        return dq, dk, dv, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 @torch.compiler.assume_constant_result
@@ -546,26 +558,77 @@ def group_rank_and_size(group) -> tuple[int, int]:
 
 def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: float | None = None,
                    accumulate: str = "fp32", comm: str = "ring", load_balance: bool = True,
-                   return_lse: bool = False, call: str = "ring_attention"):
+                   return_lse: bool = False, call: str = "ring_attention",
+                   fewest_roundings: bool = False):
     """Attention of local q over the K/V of every rank of the CP group `group_name`.
 
     q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
     slice of the sequence in the layout of gradsched.cp_layout (same `load_balance`).
     Returns out [B, Hq, L, Dv] (and the LSE, float32 [B, Hq, L], if return_lse). `call`
-    names the caller's attention call in errors.
+    names the caller's attention call in errors. fewest_roundings: join a row's whole
+    attention into one kernel call where a window holds it (cp <= 3), with a bottom-right
+    causal mask tensor, for one rounding fewer in a reduced dtype; the kernels compute masked
+    blocks densely, so it is slower (see benchmarks/cp_speed.py --fewest-roundings).
     """
     rank, cp = group_rank_and_size(group_name)
     check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
                          cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
-                         comm=comm)
+                         comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     out, lse = _RingAttention.apply(q, k, v, group_name, rank, cp, causal, float(scale),
-                                    accumulate, comm, load_balance)
+                                    accumulate, comm, load_balance, bool(fewest_roundings))
     return (out, lse) if return_lse else out
 
 
 # ---- the same ring, every rank in turn, in one process ----------------------------------
+
+def _rank_forward(ring: _Ring, q, ks, vs):
+    """Rank ring.rank's forward with every rank's K/V at hand (ks, vs: per rank):
+    (out, LSE, out to save), as _ring_forward computes them."""
+    rows = _row_chunks(q, ring.parts)
+    state = [[None, None] for _ in range(ring.parts)]
+    for window in _windows(ring, _forward_ends(ring), ks, vs):
+        _forward_window(state, q, rows, window, ring)
+    return _finish_forward(state, q.dtype, ring)
+
+
+def _rank_backward(ring: _Ring, q, ks, vs, dout, lse, saved_out):
+    """Rank ring.rank's backward with every K/V at hand: (dq in the accumulation dtype,
+    {step: flat dK/dV of the K/V held at that step})."""
+    rows = _rows_for_backward(ring, q, saved_out, dout, lse)
+    dtype = ring.acc_dtype(q.dtype)
+    dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows[1:]]
+    grads = {}
+    for window in _windows(ring, _window_ends(ring.cp, BACKWARD_WINDOW), ks, vs):
+        _backward_window(dq, rows, window, grads, ring, ks[0].shape, vs[0].shape)
+    return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), grads
+
+
+def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
+                 accumulate: str = "fp32", *, load_balance: bool = True,
+                 fewest_roundings: bool = False):
+    """A function running one rank's share of the ring's compute (forward and backward
+    blocks, merges and sums, no communication): to time the schedule against the limit,
+    one full-sequence kernel's time / cp. Inputs as simulate_ring's, on any device."""
+    from gradsched.cp_layout import shard
+
+    check_attention_call("rank_compute", q_heads=q.shape[1], kv_heads=k.shape[1],
+                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
+                         load_balance=load_balance, accumulate=accumulate,
+                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ks, vs = ([shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+              for x in (k, v))
+    ql, dl = (shard(x, cp, rank, dim=2, load_balance=load_balance).contiguous() for x in (q, dout))
+
+    def run():  # the ring is made inside, as in _RingAttention.forward, so that Dynamo traces it
+        ring = _Ring(rank, cp, causal, load_balance, scale, accumulate,
+                     fewest_roundings=fewest_roundings)
+        out, lse, saved = _rank_forward(ring, ql, ks, vs)
+        return _rank_backward(ring, ql, ks, vs, dl, lse, saved)
+    return run
+
 
 @dataclass
 class SimResult:
@@ -577,20 +640,22 @@ class SimResult:
     dv: torch.Tensor | None = None
 
 
-def _windows(ring: _Ring, size: int, ks, vs):
-    """The ring's windows of `size` steps on one rank: lists of (step, src, k, v)."""
+def _windows(ring: _Ring, ends: set[int], ks, vs):
+    """The ring's windows on one rank, each ending at a step of `ends`: lists of
+    (step, src, k, v)."""
     window = []
     for step in range(ring.cp):
         src = (ring.rank - step) % ring.cp
         window.append((step, src, ks[src], vs[src]))
-        if step in _window_ends(ring.cp, size):
+        if step in ends:
             yield window
             window = []
 
 
 def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp32", *,
                   scale: float | None = None, load_balance: bool = True,
-                  grad_out: torch.Tensor | None = None) -> SimResult:
+                  grad_out: torch.Tensor | None = None,
+                  fewest_roundings: bool = False) -> SimResult:
     """Run the cp-rank ring on one device: same blocks, merges and sums, in the same order.
 
     q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
@@ -601,25 +666,21 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
 
     check_attention_call("simulate_ring", q_heads=q.shape[1], kv_heads=k.shape[1],
                          local_len=q.shape[2] // cp, cp=cp, causal=causal,
-                         load_balance=load_balance, accumulate=accumulate)
+                         load_balance=load_balance, accumulate=accumulate,
+                         fewest_roundings=fewest_roundings, device_type=q.device.type)
     if q.shape[2] % cp:
         raise _unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
                            f"by cp={cp}", "Pad the sequence.")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    rings = [_Ring(r, cp, causal, load_balance, float(scale), accumulate) for r in range(cp)]
+    rings = [_Ring(r, cp, causal, load_balance, float(scale), accumulate,
+                   fewest_roundings=fewest_roundings) for r in range(cp)]
 
     def cut(x):
         return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
 
     qs, ks, vs = cut(q), cut(k), cut(v)
-    finished = []
-    for r, ring in enumerate(rings):
-        rows = _row_chunks(qs[r], ring.parts)
-        state = [[None, None] for _ in range(ring.parts)]
-        for window in _windows(ring, FORWARD_WINDOW, ks, vs):
-            _forward_window(state, qs[r], rows, window, ring)
-        finished.append(_finish_forward(state, q.dtype, ring))
+    finished = [_rank_forward(ring, qs[r], ks, vs) for r, ring in enumerate(rings)]
     result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
                        unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
     if grad_out is None:
@@ -628,14 +689,9 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     douts = cut(grad_out)
     dtype = rings[0].acc_dtype(q.dtype)
     kshape, vshape = ks[0].shape, vs[0].shape
-    dqs, grads = [], []  # grads[r][step]: rank r's dK/dV for the K/V it holds at step
-    for r, ring in enumerate(rings):
-        rows = _rows_for_backward(ring, qs[r], finished[r][2], douts[r], finished[r][1])
-        dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows[1:]]
-        grads.append({})
-        for window in _windows(ring, BACKWARD_WINDOW, ks, vs):
-            _backward_window(dq, rows, window, grads[r], ring, kshape, vshape)
-        dqs.append(torch.cat(dq, dim=2) if len(dq) > 1 else dq[0])
+    # grads[r][step]: rank r's dK/dV for the K/V it holds at step
+    dqs, grads = zip(*(_rank_backward(ring, qs[r], ks, vs, douts[r], *finished[r][1:])
+                       for r, ring in enumerate(rings)))
     dkvs = []
     for src in range(cp):  # summed in ring order, starting at the owner, as the ring does
         dkv = None

@@ -43,7 +43,8 @@ def fp64_attention(q, k, v, causal, grad_out):
     scores = q @ ke.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         n = q.shape[2]
-        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1),
+                                    float("-inf"))
     out = scores.softmax(-1) @ ve
     out.backward(grad_out.double())
     return out.detach(), q.grad, k.grad, v.grad

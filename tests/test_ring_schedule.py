@@ -1,0 +1,79 @@
+"""What each rank of the ring computes: only what its rows see, with the kernel's own
+causal path on the diagonal, the same amount on every rank (load-balanced layout).
+
+The simulated ring runs every rank's blocks in one process; the block kernel is wrapped
+to record each call's rows, keys, is_causal and mask. The visible area of causal
+attention over S tokens is S(S+1)/2 (query-key pairs with key <= query): a schedule that
+computes exactly that, with causal squares counted at their visible half, computes no
+masked pair outside the kernel's own causal skipping.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradsched.ring_attention as ra
+from gradsched.cp_layout import shard
+
+S, H, D = 96, 2, 8
+
+
+def recorded_forward_calls(monkeypatch, cp, causal, dtype=torch.float32, fewest=False):
+    calls = []
+    real = ra.attend
+
+    def attend(q, k, v, is_causal, scale, mask=None):
+        calls.append(dict(rows=q.shape[2], keys=k.shape[2], causal=is_causal,
+                          mask=mask is not None))
+        return real(q, k, v, is_causal, scale, mask)
+
+    monkeypatch.setattr(ra, "attend", attend)
+    q, k, v = (torch.randn(1, H, S, D).to(dtype) for _ in range(3))
+    per_rank = []
+    for r in range(cp):
+        calls.clear()
+        out, lse, _ = ra._rank_forward(ra._Ring(r, cp, causal, True, D ** -0.5, "fp32",
+                                                fewest_roundings=fewest),
+                                       local(q, cp, r), [local(k, cp, s) for s in range(cp)],
+                                       [local(v, cp, s) for s in range(cp)])
+        per_rank.append(list(calls))
+    return per_rank
+
+
+def local(x, cp, rank):
+    return shard(x, cp, rank, dim=2).contiguous()
+
+
+def visible_pairs(call):
+    if call["causal"]:
+        assert call["rows"] == call["keys"], "is_causal only on square blocks"
+        return call["rows"] * (call["rows"] + 1) // 2
+    return call["rows"] * call["keys"]
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4, 8])
+def test_causal_ranks_compute_only_visible_pairs_and_equal_shares(monkeypatch, cp):
+    per_rank = recorded_forward_calls(monkeypatch, cp, causal=True)
+    work = [sum(visible_pairs(c) for c in calls) for calls in per_rank]
+    assert sum(work) == S * (S + 1) // 2
+    assert len(set(work)) == 1, f"unequal shares: {work}"
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_default_schedule_never_builds_a_mask_tensor(monkeypatch, cp, dtype):
+    for calls in recorded_forward_calls(monkeypatch, cp, causal=True, dtype=dtype):
+        assert not any(c["mask"] for c in calls)
+        assert any(c["causal"] for c in calls)  # the diagonal, on the kernel's causal path
+
+
+def test_fewest_roundings_joins_a_row_chunks_attention_into_one_masked_call(monkeypatch):
+    per_rank = recorded_forward_calls(monkeypatch, 2, causal=True, dtype=torch.bfloat16,
+                                      fewest=True)
+    assert any(c["mask"] for calls in per_rank for c in calls)
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_full_attention_ranks_compute_every_pair_once(monkeypatch, cp):
+    per_rank = recorded_forward_calls(monkeypatch, cp, causal=False)
+    assert sum(visible_pairs(c) for calls in per_rank for c in calls) == S * S
