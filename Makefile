@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m gradsched.demo
+	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
 test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
@@ -28,6 +28,8 @@ gpu-test:
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3
+	$(PY) benchmarks/overlap.py --pp 2 --dp 2
+	$(PY) benchmarks/overlap.py --pp 1 --dp 4
 	$(PY) benchmarks/cp_numerics.py --cp 8 --seq 4096 --heads 12 --dim 128 --dtype bf16 --causal
 	$(PY) benchmarks/cp_speed.py
 	$(PY) -m pip install -q matplotlib

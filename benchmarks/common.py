@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 RESULTS = Path(__file__).parent / "results"
+# the example model and its training harness live in examples/, outside the package
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
 def emit(rows: list[dict], out: str | Path | None) -> None:

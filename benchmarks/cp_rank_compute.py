@@ -4,7 +4,7 @@
                                          [--dim 64] [--dtype bf16] [--iters 10]
 
 One process, one device, no communication: for every rank, the blocks, merges and sums
-that rank runs in the ring's forward and backward (gradsched.ring_attention.rank_compute,
+that rank runs in the ring's forward and backward (gradsched.ring_simulation.rank_compute,
 the code the ring and the simulation run), with every K/V at hand. The limit is the
 same kernel forward + backward over the whole sequence, divided by cp: what a rank would
 take if the work split perfectly and communication were free. fraction_of_limit =
@@ -13,8 +13,9 @@ limit / the slowest rank's time (the slowest rank sets the ring's pace).
 This isolates the schedule's compute efficiency: fully masked blocks skipped, diagonal
 blocks on the kernel's causal path, calls joined or not. It says nothing of how well the
 ring hides its communication (benchmarks/cp_speed.py measures the real ring over gloo).
-Both schedules are timed on CPU: the default, and fewest_roundings (one call per row chunk
-where a window holds its whole attention, with a mask tensor; refused on CUDA). --compile
+Both schedules are timed on CPU: "fast" (fewest_roundings=False, no mask tensors; the default
+on CUDA) and "fewest_roundings" (a row chunk's calls of a window joined, its diagonal as a mask;
+the default on the CPU kernel, refused on CUDA). --compile
 times each rank's compute compiled by Inductor, as the ring runs under torch.compile.
 
 On CPU it runs one thread (as each rank of the gloo benchmarks does); times move between
@@ -35,7 +36,7 @@ import time
 import torch
 
 from gradsched.attention_kernels import attend, attend_backward, choose_kernel
-from gradsched.ring_attention import rank_compute
+from gradsched.ring_simulation import rank_compute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit  # noqa: E402
@@ -111,7 +112,7 @@ def main(argv=None) -> list[dict]:
                 per_rank = [median_ms(rank(r), a.iters, device) for r in range(cp)]
                 limit = full_ms / cp
                 row = {"bench": "cp_rank_compute", "device": name, "cp": cp, "causal": causal,
-                       "schedule": "fewest_roundings" if fewest else "default",
+                       "schedule": "fewest_roundings" if fewest else "fast",
                        "compiled": a.compile,
                        "dtype": a.dtype, "batch": a.batch, "heads": a.heads, "seq": a.seq,
                        "dim": a.dim, "full_kernel_ms": round(full_ms, 3),

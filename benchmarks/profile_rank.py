@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gradsched.attention_kernels import attend, attend_backward
-from gradsched.ring_attention import rank_compute
+from gradsched.ring_simulation import rank_compute
 
 
 def main():

@@ -16,7 +16,7 @@ import sys
 
 from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, rank_main, reference
+from tied_training import Job, compare, rank_main, reference
 
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
 

@@ -15,15 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 import torch
 
+from common import RESULTS  # benchmarks/common.py: also puts examples/ on the path
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, rank_main, reference
-from gradsched.tiny_gpt import GPTConfig
-
-RESULTS = Path(__file__).parent / "results"
+from tied_training import Job, rank_main, reference
+from tiny_gpt import GPTConfig
 
 
 def main(argv=None) -> int:

@@ -49,11 +49,13 @@ def _local_sequence_length(example_inputs) -> int | None:
 
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
     """Context parallelism: attention becomes ring steps over the plan's CP group."""
-    from gradsched.passes.context_parallel import lower_attention_to_ring
-    lower_attention_to_ring(gm, example_inputs, cp_group_name=plan.process_group("cp").group_name, cp=plan.cp,
-                            accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance)
+    from gradsched import ring_attention as ring
+    from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
+    _, report = lower_attention_to_ring(gm, RingSpec(
+        plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention, check=ring.check_attention_call,
+        accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance))
     from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
-    local = gm.meta["context_parallel"].left_local + hand_written_attention(gm) + \
+    local = report.left_local + hand_written_attention(gm) + \
         unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
     if local:
         raise NotImplementedError(

@@ -5,8 +5,17 @@ import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str):
-    """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager"."""
+# Inductor's own comm scheduling (torch/_inductor/comms.py), for graphs that reduce gradients:
+# raise_comms issues each collective as soon as its inputs are computed (its memory-saving
+# reorder otherwise delays them next to their waits), sink_waits keeps waits last. Neither
+# moves a collective past another: the order every rank of a group shares stays the graph's.
+COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
+
+
+def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str, comm_overlap: bool = False):
+    """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager".
+    comm_overlap: schedule the graph's collectives early and their waits late (Inductor)."""
     if compiler == "eager":
         from gradsched.user_errors import remember_graph
         remember_graph(gm)  # its errors can then name the user's line
@@ -17,6 +26,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str):
 
     from gradsched.passes.graph_utils import fake_mode_of
 
+    if comm_overlap:
+        import torch._inductor.config as inductor_config
+        with inductor_config.patch(COMM_OVERLAP):
+            return compile_graph(gm, example_inputs, compiler)
     fake = detect_fake_mode(example_inputs)
     if fake is None:  # a graph built by gradsched itself (the flush graph): give Inductor fake inputs
         fake = fake_mode_of(gm)

@@ -37,9 +37,8 @@ from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes import GradSpec, SyncSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, \
-    plan_buckets, verify_graph
+    plan_buckets, sink_waits, verify_graph
 from gradsched.passes.bucketing import BucketLayout, place_buckets
-from gradsched.passes.graph_utils import META_KEY
 from gradsched.passes.verify import TiedGradientHazard, graph_to_json
 
 from . import fingerprint, report
@@ -56,13 +55,15 @@ class SyncGraph:
     where: str  # "backward" (the last micro-batch's backward graph) or "flush"
     layout: BucketLayout  # the buckets it reduces, with their indices in the stage's layout
     gm: fx.GraphModule | None = None
+    record: object = None  # the grad-sync pass's SyncRecord for gm
     fn: object = None
     checked: bool = False
     verdict: object = None
 
     @property
-    def record(self):
-        return self.gm.meta[META_KEY]
+    def code(self) -> str | None:
+        """Inductor's output code for this graph (None under compiler='eager')."""
+        return getattr(self.fn, "source_code", None)
 
 
 @dataclass
@@ -191,17 +192,17 @@ class GradSync:
         sync_gm = fx.GraphModule(bw_gm, bw_gm.graph.__deepcopy__())
         sync_gm.meta.update(bw_gm.meta)
         mine = {s.name for b in sg.layout.buckets for s in b.slots}
-        insert_grad_sync(sync_gm, self._spec(sg.layout, {r.name: r.output_index for r in ready if r.name in mine},
-                                             accumulate))
-        _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync")
-        record = sync_gm.meta[META_KEY]
+        _, record = insert_grad_sync(sync_gm, self._spec(sg.layout, {r.name: r.output_index for r in ready
+                                                                     if r.name in mine}, accumulate))
+        sink_waits(sync_gm)
+        _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync and sink_waits")
         extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
                  for n in record.acc_inputs]
         fake = detect_fake_mode(example_inputs)
         if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
             extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
-        sg.gm = sync_gm
-        sg.fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler)
+        sg.gm, sg.record = sync_gm, record
+        sg.fn = compile_graph(sync_gm, list(example_inputs) + extra, self.options.compiler, comm_overlap=True)
 
         def backward(args):
             if not self._ends_step():
@@ -232,7 +233,7 @@ class GradSync:
         names = {s.name for b in sg.layout.buckets for s in b.slots}
         ready = [r for r in st.ready if r.name in names]
         if sg.fn is None:
-            sg.gm = self._build_flush_graph(ready, sg.layout)
+            sg.gm, sg.record = self._build_flush_graph(ready, sg.layout)
             examples = [torch.zeros(r.shape, dtype=r.dtype, device=st.params[r.name].device) for r in ready]
             sg.fn = compile_graph(sg.gm, examples, self.options.compiler)
         self._check_once(sg)
@@ -249,7 +250,7 @@ class GradSync:
             for r, g in zip(ready, outs):
                 st.params[r.name].grad = g
 
-    def _build_flush_graph(self, ready: list[GradSpec], layout: BucketLayout) -> fx.GraphModule:
+    def _build_flush_graph(self, ready: list[GradSpec], layout: BucketLayout):
         g, fake = fx.Graph(), FakeTensorMode()
         phs = []
         for i, r in enumerate(ready):
@@ -258,14 +259,14 @@ class GradSync:
             phs.append(ph)
         g.output(tuple(phs))
         gm = fx.GraphModule(torch.nn.Module(), g)
-        insert_grad_sync(gm, self._spec(layout, {r.name: i for i, r in enumerate(ready)}, False))
-        record = gm.meta[META_KEY]
+        _, record = insert_grad_sync(gm, self._spec(layout, {r.name: i for i, r in enumerate(ready)}, False))
         if self.options.shard:  # the gradient outputs are None: return the shards only
             out = gm.graph.output_node()
             out.args = (tuple(out.args[0][record.n_outputs:]),)
             gm.recompile()
-        _maybe_print(gm, f"stage {self.stage} flush graph, after insert_grad_sync")
-        return gm
+        sink_waits(gm)
+        _maybe_print(gm, f"stage {self.stage} flush graph, after insert_grad_sync and sink_waits")
+        return gm, record
 
     # ---- checks before the first collective ----------------------------------------------
     def _check_once(self, sg: SyncGraph) -> None:

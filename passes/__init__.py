@@ -10,6 +10,8 @@ The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph:
                                                buckets under placement="split")
   3. insert_grad_sync   (grad_sync.py)         tie all-reduce -> bucket reduce-scatter
                                                (a data dependence), per mode, on each graph
+  3b. sink_waits       (sink_waits.py)        each collective's wait just before its first
+                                               use: the backward computes while reductions fly
   4. verify_graph       (verify.py)            prove the order or the alignment, per tie
 
 Context parallelism (context_parallel.py) lowers attention into ring steps on the
@@ -22,8 +24,10 @@ graph it produces.
 from .bucketing import BucketLayout, place_buckets, plan_buckets
 from .grad_ready_order import GradSpec, grad_ready_order
 from .grad_sync import SyncSpec, insert_grad_sync
+from .sink_waits import SinkRecord, sink_waits
 from .verify import TieCheck, TieLayout, TiedGradientHazard, Verdict, check, verify_graph
 
 
 __all__ = ["BucketLayout", "GradSpec", "SyncSpec", "TieCheck", "TieLayout", "TiedGradientHazard", "Verdict",
-           "check", "grad_ready_order", "insert_grad_sync", "place_buckets", "plan_buckets", "verify_graph"]
+           "SinkRecord", "check", "grad_ready_order", "insert_grad_sync", "place_buckets", "plan_buckets", "sink_waits",
+           "verify_graph"]

@@ -1,4 +1,5 @@
-"""Group gradients into flat buckets, in ready order, sized for a reduce-scatter.
+"""Group gradients into flat buckets, in ready order, sized for a reduce-scatter; the last
+bucket (which nothing can overlap) small.
 
 Invariant: each bucket's numel is a multiple of `shards` (the data-parallel
 group size), so a reduce-scatter splits it into equal shards, and a parameter
@@ -77,36 +78,51 @@ def owned_range(bucket_numel: int, offset: int, numel: int, shards: int, shard: 
     return (lo - offset, hi - offset) if lo < hi else (0, 0)
 
 
+TAIL_MB = 1.0  # the last bucket's cap: what no remaining compute can hide (DDP caps its first bucket so)
+
+
 def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
                  reduce_dtype: torch.dtype | None = None, ties: dict[str, str] | None = None,
-                 align_ties: bool = False) -> BucketLayout:
-    """ready: gradients in ready order; ties: parameter name -> tie key."""
+                 align_ties: bool = False, tail_mb: float = TAIL_MB) -> BucketLayout:
+    """ready: gradients in ready order; ties: parameter name -> tie key.
+
+    Buckets are filled from the END of the ready order: the last bucket is reduced after the
+    backward's last kernel, with nothing left to hide it, so it is capped at `tail_mb` (and holds
+    at least the last gradient). Until a bucket without a tied gradient is closed, the cap stays
+    at `tail_mb`: under placement="split" tied buckets move to the flush, and the last bucket the
+    backward itself reduces is the first untied one. The others are capped at `bucket_mb`.
+    """
     ties = ties or {}
-    buckets: list[Bucket] = []
-    cur: list[Slot] = []
-    cur_dtype = None
+    groups: list[list[tuple[GradSpec, torch.dtype]]] = []
+    cur: list[tuple[GradSpec, torch.dtype]] = []
+    exposed = True
 
     def close():
-        nonlocal cur, cur_dtype
+        nonlocal cur, exposed
         if cur:
-            used = cur[-1].offset + cur[-1].numel
-            buckets.append(Bucket(len(buckets), tuple(cur), round_up(used, shards), cur_dtype))
-        cur, cur_dtype = [], None
+            groups.append(cur)
+            exposed = exposed and any(ties.get(sp.name) for sp, _ in cur)
+        cur = []
 
-    for spec in ready:
+    for spec in reversed(ready):
         dtype = reduce_dtype or spec.dtype
-        cap = max(1, int(bucket_mb * 2**20) // torch.empty((), dtype=dtype).element_size())
-        tie = ties.get(spec.name)
-        alone = bool(tie) and align_ties
-        used = cur[-1].offset + cur[-1].numel if cur else 0
-        if cur and (dtype != cur_dtype or used + spec.numel > cap or alone or cur[-1].tie and align_ties):
+        mb = min(tail_mb, bucket_mb) if exposed else bucket_mb
+        cap = max(1, int(mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+        alone = bool(ties.get(spec.name)) and align_ties
+        used = sum(sp.numel for sp, _ in cur)
+        if cur and (dtype != cur[0][1] or used + spec.numel > cap or alone or
+                    align_ties and ties.get(cur[0][0].name)):
             close()
-            used = 0
-        cur_dtype = dtype
-        cur.append(Slot(spec.name, used, spec.numel, spec.shape, spec.dtype, tie))
-        if alone:
-            close()
+        cur.insert(0, (spec, dtype))
     close()
+
+    buckets = []
+    for group in reversed(groups):  # back to ready order: bucket 0 is reduced first
+        slots, used = [], 0
+        for spec, _ in group:
+            slots.append(Slot(spec.name, used, spec.numel, spec.shape, spec.dtype, ties.get(spec.name)))
+            used += spec.numel
+        buckets.append(Bucket(len(buckets), tuple(slots), round_up(used, shards), group[0][1]))
     return BucketLayout(tuple(buckets), shards)
 
 

@@ -3,15 +3,16 @@
 Invariant: after `lower_attention_to_ring`, every attention call of a recognised form
 (ATTENTION_FORMS: F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
 aten._scaled_dot_product_flash_attention_for_cpu, and flash-attn's flash_attn_func when
-flash-attn is importable) is a call of gradsched.ring_attention.ring_attention over the
-CP group `cp_group_name`: the same inputs, an output of the same shape and dtype, and
+flash-attn is importable) is a call of `spec.attention` (the runtime's ring,
+gradsched.ring_attention.ring_attention, handed in: passes never import the runtime) over
+the CP group `spec.cp_group_name`: the same inputs, an output of the same shape and dtype, and
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
 cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
 sequence under the load-balanced causal layout) raises RingAttentionError here, at
-compile time. What was lowered, and which attention-like calls of other forms were
-left local, is recorded in gm.meta["context_parallel"] (a ContextParallelReport) so a
-caller can warn.
+compile time (`spec.check` says which). What was lowered, and which attention-like calls
+of other forms were left local, is returned as a ContextParallelReport so a caller can
+refuse or warn.
 
 Assumes: the graph is ONE rank's forward on its slice of the sequence, laid out by
 gradsched.cp_layout with the same `load_balance`, and every rank of the CP group
@@ -22,11 +23,27 @@ in through position_ids, and the loss is a sum over local tokens (see cp_layout)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.fx as fx
 
-from gradsched.ring_attention import RingAttentionError, check_attention_call, ring_attention
+
+class RingAttentionError(ValueError):
+    """An attention call that the context-parallel ring cannot run as asked."""
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """The CP group, how to lower, and the ring itself (functions of the runtime, passed in)."""
+    cp_group_name: str
+    cp: int
+    attention: Callable  # (q, k, v, group, causal=, scale=, accumulate=, comm=, load_balance=) -> out
+    check: Callable  # (call, q_heads=, kv_heads=, local_len=, cp=, causal=, ...) raises RingAttentionError
+    causal_default: bool | None = None  # causality of a call that does not state it (None: False)
+    accumulate: str = "fp32"
+    comm: str = "ring"
+    load_balance: bool = True
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _CPU_FLASH_PARAMS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
@@ -98,16 +115,10 @@ class ContextParallelReport:
     left_local: list[str] = field(default_factory=list)  # "node (target) at where"
 
 
-def lower_attention_to_ring(gm: fx.GraphModule, example_inputs=None, *, cp_group_name: str, cp: int,
-                            causal_default: bool | None = None, accumulate: str = "fp32",
-                            comm: str = "ring", load_balance: bool = True) -> fx.GraphModule:
-    """Rewrite gm's attention calls into ring attention over `cp_group_name` (in place).
-
-    causal_default: causality of a call that does not state it (None: the callable's
-    own default, False). Returns gm; the report is gm.meta["context_parallel"].
-    """
-    _check_group(cp_group_name, cp)
-    report = ContextParallelReport(cp, cp_group_name)
+def lower_attention_to_ring(gm: fx.GraphModule, spec: RingSpec) -> tuple[fx.GraphModule, ContextParallelReport]:
+    """Rewrite gm's attention calls into ring attention over the spec's CP group (in place)."""
+    _check_group(spec.cp_group_name, spec.cp)
+    report = ContextParallelReport(spec.cp, spec.cp_group_name)
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
@@ -116,16 +127,15 @@ def lower_attention_to_ring(gm: fx.GraphModule, example_inputs=None, *, cp_group
             if _looks_like_attention(node):
                 report.left_local.append(f"{node.name} ({_target_name(node)}) at {_where(node)}")
             continue
-        report.lowered.append(_lower_one(gm.graph, node, form, cp_group_name, cp, causal_default,
-                                         accumulate, comm, load_balance))
+        report.lowered.append(_lower_one(gm.graph, node, form, spec))
     gm.graph.lint()
     gm.recompile()
-    gm.meta["context_parallel"] = report
-    return gm
+    return gm, report
 
 
-def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, group: str, cp: int,
-               causal_default, accumulate: str, comm: str, load_balance: bool) -> LoweredAttention:
+def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSpec) -> LoweredAttention:
+    group, cp, causal_default = spec.cp_group_name, spec.cp, spec.causal_default
+    accumulate, comm, load_balance = spec.accumulate, spec.comm, spec.load_balance
     args = _bind(node, form)
     call = f"{form.name} '{node.name}' at {_where(node)}"
     causal = args.get(form.causal, causal_default if causal_default is not None else False)
@@ -142,7 +152,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, group: str, 
     q_heads = _int(q_shape, heads[0])
     kv_heads = _int(k_shape, heads[0])
     local_len = _int(q_shape, heads[1])
-    check_attention_call(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
+    spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
                          local_len=local_len if local_len is not None else 0, cp=cp,
                          causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
                          has_attn_mask=args.get("attn_mask") is not None,
@@ -152,7 +162,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, group: str, 
         if form.seq_major:
             q, k, v = (_transpose(graph, x) for x in (q, k, v))
         ring = graph.call_function(
-            ring_attention, (q, k, v, group),
+            spec.attention, (q, k, v, group),
             {"causal": bool(causal), "scale": args.get(form.scale), "accumulate": accumulate,
              "comm": comm, "load_balance": load_balance, "return_lse": form.returns_lse,
              "call": call})

@@ -42,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from .bucketing import Bucket, BucketLayout, owned_range
-from .graph_utils import META_KEY, GraphBuilder
+from .graph_utils import GraphBuilder
 
 aten = torch.ops.aten
 
@@ -63,7 +63,7 @@ class SyncSpec:
 
 @dataclass
 class SyncRecord:
-    """What the pass did, for the runtime and the report: left in gm.meta[META_KEY]."""
+    """What the pass did, returned with the graph: the runtime feeds inputs and reads results by it."""
     spec: SyncSpec
     n_outputs: int  # outputs before the pass
     acc_inputs: list[str]  # parameter names whose accumulated gradient is appended as input
@@ -71,7 +71,7 @@ class SyncRecord:
     results: list[str]  # per bucket, the node holding its reduced shard (or full bucket)
 
 
-def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> fx.GraphModule:
+def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> tuple[fx.GraphModule, SyncRecord]:
     b = GraphBuilder(gm)
     out_node = gm.graph.output_node()
     outputs = list(out_node.args[0])
@@ -140,8 +140,7 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> fx.GraphModule:
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
-    gm.meta[META_KEY] = record
-    return gm
+    return gm, record
 
 
 def _slot_ids(bucket: Bucket) -> list:

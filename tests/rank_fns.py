@@ -3,8 +3,8 @@ import torch
 
 import gradsched
 from gradsched.runtime import sync_of
-from gradsched.tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
-from gradsched.tiny_gpt import TinyGPT, lm_loss, make_batch
+from tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
+from tiny_gpt import TinyGPT, lm_loss, make_batch
 
 
 def plan_errors(rank, world):
@@ -98,7 +98,7 @@ def hand_written_attention_under_cp(rank, world):
 def padded_sequence_under_cp(rank, world, seq: int):
     """A batch of length `seq` padded with cp_layout.pad_to_multiple (labels with ignore_index) under cp."""
     from gradsched.cp_layout import pad_to_multiple
-    from gradsched.tiny_gpt import GPTConfig
+    from tiny_gpt import GPTConfig
     plan = gradsched.ParallelPlan.from_world(cp=world)
     torch.manual_seed(0)
     model = gradsched.parallelize(TinyGPT(GPTConfig(seq=16)), plan=plan, loss_fn=lm_loss, compiler="eager")

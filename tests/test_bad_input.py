@@ -6,7 +6,7 @@ import gradsched
 from gradsched.launch import run_ranks
 from gradsched.optimizer import mark_sharded
 from gradsched.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
-from gradsched.tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 
 from rank_fns import plan_errors
 
@@ -62,7 +62,7 @@ def test_a_batch_that_does_not_split_into_microbatches_is_refused():
 
 def test_placement_backward_with_a_tie_across_stages_is_refused_before_the_first_step():
     from gradsched.launch import RankFailed
-    from gradsched.tied_training import Job, rank_main
+    from tied_training import Job, rank_main
     job = Job(pp=2, dp=1, steps=1, options={"compiler": "eager", "placement": "backward"})
     with pytest.raises(RankFailed, match="would deadlock.*placement='split'"):
         run_ranks(rank_main, 2, job, timeout_s=120)

@@ -10,9 +10,27 @@ def specs(*sizes, dtype=torch.float32):
 
 
 def test_buckets_follow_ready_order_and_capacity():
-    layout = plan_buckets(specs(100, 100, 100), bucket_mb=200 * 4 / 2**20, shards=1)
-    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p0", "p1"], ["p2"]]
+    cap = 200 * 4 / 2**20  # 200 fp32 elements
+    layout = plan_buckets(specs(100, 100, 100, 100), bucket_mb=cap, shards=1, tail_mb=cap)
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p0", "p1"], ["p2", "p3"]]
     assert [s.offset for s in layout.buckets[0].slots] == [0, 100]
+
+
+def test_the_last_bucket_nothing_can_overlap_is_small_but_holds_the_last_gradient():
+    elems = lambda n: n * 4 / 2**20  # noqa: E731
+    small = plan_buckets(specs(100, 100, 100, 100), bucket_mb=elems(800), shards=1, tail_mb=elems(100))
+    assert [[s.name for s in b.slots] for b in small.buckets] == [["p0", "p1", "p2"], ["p3"]]
+    big_last = plan_buckets(specs(10, 10, 1000), bucket_mb=elems(800), shards=1, tail_mb=elems(100))
+    assert [[s.name for s in b.slots] for b in big_last.buckets] == [["p0", "p1"], ["p2"]]
+
+
+def test_with_a_tied_gradient_last_the_backwards_own_last_bucket_is_the_small_one():
+    # under placement="split" the tied bucket waits for the flush: the untied bucket before it
+    # is the last the backward reduces
+    ready = specs(100, 100, 100) + [GradSpec("emb", (300,), torch.float32, 3)]
+    layout = plan_buckets(ready, bucket_mb=100.0, shards=1, tail_mb=100 * 4 / 2**20, ties={"emb": "t"},
+                          align_ties=True)
+    assert [[s.name for s in b.slots] for b in layout.buckets] == [["p0", "p1"], ["p2"], ["emb"]]
 
 
 def test_bucket_sizes_are_multiples_of_the_shard_count():

@@ -1,26 +1,31 @@
-"""Inductor compiles the inserted collectives: they are in the generated code, and the
-backward-placed reductions start before the backward's last matmul (they can overlap)."""
+"""Inductor compiles the inserted collectives, read from its generated code: backward-placed
+reductions are issued while the backward computes and waited for after its last kernel."""
 import re
 
+from gradsched.compiled_code import events, kernels_left
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, rank_main, reference
+from tied_training import Job, compare, rank_main, reference
 
 
-def first(ops, needle):
-    return next(i for i, op in enumerate(ops) if needle in op)
-
-
-def last(ops, needle):
-    return max(i for i, op in enumerate(ops) if needle in op)
-
-
-def test_backward_graph_reductions_are_compiled_by_inductor_and_start_before_the_backward_ends():
+def test_backward_reductions_are_issued_while_the_backward_computes_and_waited_for_after_it():
     job = Job(pp=1, dp=2, steps=2, capture_code=True, options={"compiler": "inductor", "bucket_mb": 0.01})
     ranks = run_ranks(rank_main, 2, job, timeout_s=400)
-    code = "\n".join(ranks[0]["code"])
-    assert "_c10d_functional.reduce_scatter_tensor" in code and "_c10d_functional.wait_tensor" in code
-    ops = ranks[0]["sync_graph_ops"]
-    assert first(ops, "reduce_scatter_tensor") < last(ops, "aten.mm")
+    for r in ranks:
+        ev = events(r["sync_code"]["backward"])  # Inductor's output code, line by line
+        last_kernel = max(e.line for e in ev if e.kind == "compute")
+        issued = [e for e in ev if e.kind == "collective"]
+        waits = [e for e in ev if e.kind == "wait"]
+        assert len(issued) == len(waits) == r["n_buckets"] > 2
+        assert all(w.line > last_kernel for w in waits)  # no wait stalls the backward's compute
+        # every bucket but the last (its gradients come out of the last kernels) is in flight
+        # while the backward still computes
+        assert sum(e.line < last_kernel for e in issued) >= len(issued) - 1
+        # issued as soon as their gradients are, spread through the backward, not bunched up
+        # before its end: on average a third of its kernels are still to run at issue
+        left = kernels_left(r["sync_code"]["backward"], r["grad_group"])
+        assert sum(b * f for b, f in left) / sum(b for b, _ in left) > 1 / 3
+        # the code's reductions are the plan's buckets, in the plan's order (fp32)
+        assert [e.nbytes for e in issued] == [4 * numel for numel, _ in r["grads"]["buckets"]]
     assert compare(reference(job), ranks)["max_abs_diff"] < 1e-5
 
 

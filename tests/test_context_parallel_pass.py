@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 from gradsched.cp_layout import shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, ring_attention
-from passes.context_parallel import ContextParallelReport, lower_attention_to_ring
+from gradsched.ring_attention import RingAttentionError, check_attention_call, ring_attention
+from gradsched.passes.context_parallel import ContextParallelReport, RingSpec, lower_attention_to_ring
 
 B, H, KV, L, D = 1, 4, 2, 8, 8  # L: one rank's slice of the sequence
 
@@ -38,8 +38,16 @@ def calls(gm, target):
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
 
 
+def ring_spec(group, cp, **kw):
+    return RingSpec(group, cp, attention=ring_attention, check=check_attention_call, **kw)
+
+
+def lower_with_report(gm, **kw):
+    return lower_attention_to_ring(gm, ring_spec("cp", kw.pop("cp", 2), **kw))
+
+
 def lower(gm, **kw):
-    return lower_attention_to_ring(gm, cp_group_name="cp", cp=kw.pop("cp", 2), **kw)
+    return lower_with_report(gm, **kw)[0]
 
 
 def two_layers(q, k, v):
@@ -65,7 +73,7 @@ def test_ring_nodes_keep_the_replaced_calls_fake_values():
 
 
 def test_report_records_each_lowered_call():
-    report = lower(dynamo_graph(two_layers, *qkv())).meta["context_parallel"]
+    report = lower_with_report(dynamo_graph(two_layers, *qkv()))[1]
     assert isinstance(report, ContextParallelReport) and report.cp == 2
     assert [(c.causal, c.q_heads, c.kv_heads) for c in report.lowered] == [(True, H, KV)] * 2
     assert all("two_layers" in c.where for c in report.lowered)
@@ -119,7 +127,7 @@ torch.fx.wrap("flex_attention")
 
 def test_attention_of_other_forms_is_reported_as_left_local():
     gm = fx.symbolic_trace(lambda q, k, v: flex_attention(q, k, v) + 1)
-    report = lower(gm).meta["context_parallel"]
+    _, report = lower_with_report(gm)
     assert report.lowered == [] and len(report.left_local) == 1 and "flex_attention" in report.left_local[0]
 
 
@@ -216,8 +224,8 @@ def _lowered_worker(rank, world):
     reports = []
 
     def backend(gm, example_inputs):
-        gm = lower_attention_to_ring(gm, example_inputs, cp_group_name=group, cp=world)
-        reports.append(gm.meta["context_parallel"])
+        gm, report = lower_attention_to_ring(gm, ring_spec(group, world))
+        reports.append(report)
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
     compiled = torch.compile(model, backend=backend, fullgraph=True)

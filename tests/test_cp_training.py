@@ -1,6 +1,6 @@
 """Training under context parallelism matches the unsplit model in one process (fp32)."""
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, gradient_error, rank_main, reference
+from tied_training import Job, compare, gradient_error, rank_main, reference
 
 from rank_fns import hand_written_attention_under_cp, padded_sequence_under_cp
 
@@ -37,7 +37,7 @@ def test_a_sequence_padded_for_cp_gives_the_loss_and_gradients_of_the_unpadded_o
     """pad_to_multiple puts every pad at the end, on some CP ranks only; the loss is still the
     mean over the global batch's labelled tokens, as in one process without the pads."""
     import torch
-    from gradsched.tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+    from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
     ranks = run_ranks(padded_sequence_under_cp, 2, 14, timeout_s=200)
     torch.manual_seed(0)
     model = TinyGPT(GPTConfig(seq=16))

@@ -5,7 +5,7 @@ import pytest
 
 from gradsched.fingerprint import CollectiveMismatch, compare_sequences
 from gradsched.launch import RankFailed, run_ranks
-from gradsched.tied_training import Job, rank_main
+from tied_training import Job, rank_main
 
 
 def test_ranks_compiling_different_collective_orders_raise_within_seconds():

@@ -5,7 +5,7 @@ import sys
 from gradsched.launch import run_ranks
 import pytest
 
-from gradsched.tied_training import Job, compare, gradient_error, reference
+from tied_training import Job, compare, gradient_error, reference
 
 from rank_fns import backend_name_refusal, compile_with_backend_name, decorated_class
 

@@ -4,14 +4,15 @@ tests/test_ring_attention.py (what torch's own fused attention achieves on the s
 device and inputs). `make gpu-test` runs these; without a GPU they are skipped.
 
 The ring runs simulated (every rank in turn on the one device: the same blocks, merges and
-sums as the ring over NCCL, see gradsched.ring_attention.simulate_ring).
+sums as the ring over NCCL, see gradsched.ring_simulation.simulate_ring).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradsched.ring_attention import RingAttentionError, simulate_ring
+from gradsched.ring_attention import RingAttentionError
+from gradsched.ring_simulation import simulate_ring
 from tests.test_ring_attention import check_accuracy, fp64_attention
 
 pytestmark = [pytest.mark.gpu,

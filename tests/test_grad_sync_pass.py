@@ -33,13 +33,17 @@ def synced(mode, shapes, tied="emb", shard_rank=0, shards=2, bucket_mb=1.0, alig
     layout = plan_buckets(ready, bucket_mb=bucket_mb, shards=shards, ties={tied: TIE}, align_ties=align)
     spec = SyncSpec(layout, {n: i for i, n in enumerate(shapes)}, group="dp", group_size=shards,
                     shard_rank=shard_rank, tie_groups={TIE: "tie"}, mode=mode)
-    return insert_grad_sync(gm, spec), layout
+    gm, RECORDS[gm] = insert_grad_sync(gm, spec)
+    return gm, layout
+
+
+RECORDS = {}  # graph -> the pass's SyncRecord (the verifier reads each gradient's source nodes from it)
 
 
 def tie_check(gm, layout, name, rank, peers=()):
     b, s = layout.locate(name)
     mine = TieLayout(rank, name, b.index, s.offset, s.numel, b.numel, layout.shards)
-    return TieCheck(TIE, "tie", gm.meta[META_KEY].sources[name], [mine, *peers])
+    return TieCheck(TIE, "tie", RECORDS[gm].sources[name], [mine, *peers])
 
 
 STAGE0 = {"w1": (8, 4), "w2": (4,), "emb": (16, 4)}  # the embedding's gradient is ready last
@@ -198,7 +202,7 @@ def _two_tie_graph():
     layout = plan_buckets(ready, bucket_mb=1.0, shards=2, ties=ties, align_ties=True)
     spec = SyncSpec(layout, {"a": 0, "b": 1}, group="dp", group_size=2, shard_rank=0,
                     tie_groups={"0:a~1:a": "tie", "0:b~1:b": "tie"})
-    return insert_grad_sync(gm, spec), layout
+    return insert_grad_sync(gm, spec)[0], layout
 
 
 def test_verifier_proves_a_tie_all_reduce_meets_the_same_tie_on_every_member():

@@ -7,7 +7,7 @@ both through torch.distributed.pipelining's schedules.
 import transformers  # noqa: F401 - the `test` extra installs it; missing, these tests must fail
 
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, rank_main, reference
+from tied_training import Job, compare, rank_main, reference
 
 TOL = 1e-5
 

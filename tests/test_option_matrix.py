@@ -15,8 +15,8 @@ slice runs again under Inductor, the default compiler. README.md lists the cases
 import pytest
 
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, gradient_error, rank_jobs, reference
-from gradsched.tiny_gpt import GPTConfig
+from tied_training import Job, compare, gradient_error, rank_jobs, reference
+from tiny_gpt import GPTConfig
 
 GRAD_TOL = 1e-5  # relative to the largest gradient; fp32 summation order differs, nothing else
 TOL = 1e-5
@@ -108,6 +108,10 @@ def assert_like_one_process(job_, ranks):
     assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
     for r in ranks:
         assert r["sync_graph_buckets"] == expected_placement(job_, r)
+    for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
+        assert sorted(r["named_parameters"]) == sorted(r["params"])
+        assert list(r["state_dict"]) == list(ref["state_keys"])
+        assert max((v - ref["params"][k]).abs().max().item() for k, v in r["state_dict"].items()) < TOL
 
 
 def expected_placement(job_, r) -> dict:
@@ -121,10 +125,6 @@ def expected_placement(job_, r) -> dict:
         return {placement: buckets}
     parts = {"backward": [b for b in buckets if b not in r["tied_buckets"]], "flush": sorted(r["tied_buckets"])}
     return {k: v for k, v in parts.items() if v}
-    for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
-        assert sorted(r["named_parameters"]) == sorted(r["params"])
-        assert list(r["state_dict"]) == list(ref["state_keys"])
-        assert max((v - ref["params"][k]).abs().max().item() for k, v in r["state_dict"].items()) < TOL
 
 
 @pytest.mark.parametrize("name", list(CASES))

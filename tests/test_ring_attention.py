@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from gradsched.cp_layout import gather_sequence, shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, ring_attention, simulate_ring
+from gradsched.ring_attention import RingAttentionError, ring_attention
+from gradsched.ring_simulation import simulate_ring
 
 B, HQ, S, D = 1, 4, 32, 16
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gradsched.ring_attention as ra
+import gradsched.ring_blocks as blocks
+from gradsched.ring_schedule import Ring, fewest_roundings_default
+from gradsched.ring_simulation import rank_forward
 from gradsched.cp_layout import shard
 
 S, H, D = 96, 2, 8
@@ -20,22 +22,21 @@ S, H, D = 96, 2, 8
 
 def recorded_forward_calls(monkeypatch, cp, causal, dtype=torch.float32, fewest=False):
     calls = []
-    real = ra.attend
+    real = blocks.attend
 
     def attend(q, k, v, is_causal, scale, mask=None):
         calls.append(dict(rows=q.shape[2], keys=k.shape[2], causal=is_causal,
                           mask=mask is not None))
         return real(q, k, v, is_causal, scale, mask)
 
-    monkeypatch.setattr(ra, "attend", attend)
+    monkeypatch.setattr(blocks, "attend", attend)
     q, k, v = (torch.randn(1, H, S, D).to(dtype) for _ in range(3))
     per_rank = []
     for r in range(cp):
         calls.clear()
-        out, lse, _ = ra._rank_forward(ra._Ring(r, cp, causal, True, D ** -0.5, "fp32",
-                                                fewest_roundings=fewest),
-                                       local(q, cp, r), [local(k, cp, s) for s in range(cp)],
-                                       [local(v, cp, s) for s in range(cp)])
+        out, lse, _ = rank_forward(Ring(r, cp, causal, True, D ** -0.5, "fp32", fewest_roundings=fewest),
+                                   local(q, cp, r), [local(k, cp, s) for s in range(cp)],
+                                   [local(v, cp, s) for s in range(cp)])
         per_rank.append(list(calls))
     return per_rank
 
@@ -61,7 +62,7 @@ def test_causal_ranks_compute_only_visible_pairs_and_equal_shares(monkeypatch, c
 
 @pytest.mark.parametrize("cp", [2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_default_schedule_never_builds_a_mask_tensor(monkeypatch, cp, dtype):
+def test_the_fast_schedule_never_builds_a_mask_tensor(monkeypatch, cp, dtype):
     for calls in recorded_forward_calls(monkeypatch, cp, causal=True, dtype=dtype):
         assert not any(c["mask"] for c in calls)
         assert any(c["causal"] for c in calls)  # the diagonal, on the kernel's causal path
@@ -77,3 +78,8 @@ def test_fewest_roundings_joins_a_row_chunks_attention_into_one_masked_call(monk
 def test_full_attention_ranks_compute_every_pair_once(monkeypatch, cp):
     per_rank = recorded_forward_calls(monkeypatch, cp, causal=False)
     assert sum(visible_pairs(c) for calls in per_rank for c in calls) == S * S
+
+
+def test_fewest_roundings_is_the_default_for_the_cpu_kernel_only():
+    # cp_numerics' targets on the CPU kernel need it; CUDA refuses its masked calls
+    assert fewest_roundings_default("cpu") and not fewest_roundings_default("cuda")

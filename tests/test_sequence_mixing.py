@@ -4,7 +4,7 @@ import torch.nn as nn
 
 from gradsched.launch import run_ranks
 from gradsched.passes.sequence_mixing import unlowered_sequence_mixing
-from gradsched.tiny_gpt import GPTConfig, TinyGPT
+from tiny_gpt import GPTConfig, TinyGPT
 
 from flash_attn_standin import flash_attn_func
 from rank_fns import flash_attn_model_under_cp

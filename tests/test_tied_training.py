@@ -7,7 +7,7 @@ reference. tests/test_option_matrix.py compares gradients for every option and l
 import pytest
 
 from gradsched.launch import run_ranks
-from gradsched.tied_training import Job, compare, rank_jobs, reference
+from tied_training import Job, compare, rank_jobs, reference
 
 TOL = 1e-5
 

@@ -3,7 +3,7 @@ import pytest
 
 import gradsched
 from gradsched.launch import run_ranks
-from gradsched.tiny_gpt import TinyGPT, lm_loss
+from tiny_gpt import TinyGPT, lm_loss
 
 from rank_fns import stage_error_messages
 

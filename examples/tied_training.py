@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .tiny_gpt import GPTConfig, TinyGPT, lm_loss, lm_loss_sum, make_batch
+from tiny_gpt import GPTConfig, TinyGPT, lm_loss, lm_loss_sum, make_batch
 
 
 @dataclass
@@ -75,7 +75,7 @@ def build_model(job: Job):
         elif job.variant:
             raise ValueError(f"unknown tiny_gpt variant {job.variant!r}")
         return model, list(job.split_points)
-    from .hf import MODELS
+    from gradsched.hf import MODELS
     c = job.config
     return MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
 
@@ -103,7 +103,7 @@ def reference(job: Job) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    from .ties import shared_parameters
+    from gradsched.ties import shared_parameters
     return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model),
             "state_keys": list(model.state_dict())}
 
@@ -158,6 +158,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
                            if n.op == "call_function"],
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},
+        "sync_code": {sg.where: sg.code for sg in sync.sync_graphs()},
+        "grad_group": sync.grad_group()[0].group_name,
     }
 
 

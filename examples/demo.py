@@ -14,7 +14,7 @@ import time
 
 from gradsched.launch import run_ranks
 from gradsched.passes.verify import load_dumps, verify_dumps
-from gradsched.tied_training import Job, compare, gradient_error, rank_main, reference
+from tied_training import Job, compare, gradient_error, rank_main, reference
 
 
 def say(*a):

@@ -1,8 +1,8 @@
 """Train a tied GPT (tiny, or Hugging Face GPT-2 / Llama) under torchrun: the README's example.
 
-    torchrun --nproc-per-node 8 -m gradsched.train --model hf_llama --pp 2 --cp 2
+    torchrun --nproc-per-node 8 examples/train.py --model hf_llama --pp 2 --cp 2
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \
-        -m gradsched.train --model hf_gpt2 --pp 2 --cp 2 --microbatches 4
+        examples/train.py --model hf_gpt2 --pp 2 --cp 2 --microbatches 4
 
 The plan is built from torchrun's environment; dp is whatever is left of the world.
 """
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.plan import init_from_env
-from gradsched.tied_training import Job, rank_main
+from tied_training import Job, rank_main
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,143 @@
+"""The ring, every rank in turn, in one process: the same blocks, merges and sums in the same
+order as gradsched.ring_attention (bit for bit with comm="ring"), without a process group.
+For numerics against fp64 and for timing one rank's compute against the limit.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, row_chunks, rows_for_backward,
+                                   unflat_kv)
+from gradsched.ring_checks import check_attention_call, unsupported
+from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, fewest_roundings_default, forward_ends, window_ends
+
+def rank_forward(ring: Ring, q, ks, vs):
+    """Rank ring.rank's forward with every rank's K/V at hand (ks, vs: per rank):
+    (out, LSE, out to save), as _ring_forward computes them."""
+    rows = row_chunks(q, ring.parts)
+    state = [[None, None] for _ in range(ring.parts)]
+    for window in rank_windows(ring, forward_ends(ring), ks, vs):
+        forward_window(state, q, rows, window, ring)
+    return finish_forward(state, q.dtype, ring)
+
+
+def rank_backward(ring: Ring, q, ks, vs, dout, lse, saved_out):
+    """Rank ring.rank's backward with every K/V at hand: (dq in the accumulation dtype,
+    {step: flat dK/dV of the K/V held at that step})."""
+    rows = rows_for_backward(ring, q, saved_out, dout, lse)
+    dtype = ring.acc_dtype(q.dtype)
+    dq = [torch.zeros(x[0].shape, dtype=dtype, device=q.device) for x in rows[1:]]
+    grads = {}
+    for window in rank_windows(ring, window_ends(ring.cp, BACKWARD_WINDOW), ks, vs):
+        backward_window(dq, rows, window, grads, ring, ks[0].shape, vs[0].shape)
+    return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), grads
+
+
+def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
+                 accumulate: str = "fp32", *, load_balance: bool = True,
+                 fewest_roundings: bool | None = None):
+    """A function running one rank's share of the ring's compute (forward and backward
+    blocks, merges and sums, no communication): to time the schedule against the limit,
+    one full-sequence kernel's time / cp. Inputs as simulate_ring's, on any device."""
+    from gradsched.cp_layout import shard
+
+    if fewest_roundings is None:
+        fewest_roundings = fewest_roundings_default(q.device.type)
+    check_attention_call("rank_compute", q_heads=q.shape[1], kv_heads=k.shape[1],
+                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
+                         load_balance=load_balance, accumulate=accumulate,
+                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    ks, vs = ([shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+              for x in (k, v))
+    ql, dl = (shard(x, cp, rank, dim=2, load_balance=load_balance).contiguous() for x in (q, dout))
+
+    def run():  # the ring is made inside, as in _RingAttention.forward, so that Dynamo traces it
+        ring = Ring(rank, cp, causal, load_balance, scale, accumulate,
+                     fewest_roundings=fewest_roundings)
+        out, lse, saved = rank_forward(ring, ql, ks, vs)
+        return rank_backward(ring, ql, ks, vs, dl, lse, saved)
+    return run
+
+
+@dataclass
+class SimResult:
+    """Full-sequence results in natural token order (grads None without grad_out)."""
+    out: torch.Tensor
+    lse: torch.Tensor
+    dq: torch.Tensor | None = None
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+
+
+def rank_windows(ring: Ring, ends: set[int], ks, vs):
+    """The ring's windows on one rank, each ending at a step of `ends`: lists of
+    (step, src, k, v)."""
+    window = []
+    for step in range(ring.cp):
+        src = (ring.rank - step) % ring.cp
+        window.append((step, src, ks[src], vs[src]))
+        if step in ends:
+            yield window
+            window = []
+
+
+def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp32", *,
+                  scale: float | None = None, load_balance: bool = True,
+                  grad_out: torch.Tensor | None = None,
+                  fewest_roundings: bool | None = None) -> SimResult:
+    """Run the cp-rank ring on one device: same blocks, merges and sums, in the same order.
+
+    q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
+    are cut into the cp_layout shards, every rank's steps run in turn, and the results
+    are put back in natural order.
+    """
+    from gradsched.cp_layout import shard, unshard
+
+    if fewest_roundings is None:
+        fewest_roundings = fewest_roundings_default(q.device.type)
+    check_attention_call("simulate_ring", q_heads=q.shape[1], kv_heads=k.shape[1],
+                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
+                         load_balance=load_balance, accumulate=accumulate,
+                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    if q.shape[2] % cp:
+        raise unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
+                           f"by cp={cp}", "Pad the sequence.")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    rings = [Ring(r, cp, causal, load_balance, float(scale), accumulate,
+                   fewest_roundings=fewest_roundings) for r in range(cp)]
+
+    def cut(x):
+        return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+
+    qs, ks, vs = cut(q), cut(k), cut(v)
+    finished = [rank_forward(ring, qs[r], ks, vs) for r, ring in enumerate(rings)]
+    result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
+                       unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
+    if grad_out is None:
+        return result
+
+    douts = cut(grad_out)
+    dtype = rings[0].acc_dtype(q.dtype)
+    kshape, vshape = ks[0].shape, vs[0].shape
+    # grads[r][step]: rank r's dK/dV for the K/V it holds at step
+    dqs, grads = zip(*(rank_backward(ring, qs[r], ks, vs, douts[r], *finished[r][1:])
+                       for r, ring in enumerate(rings)))
+    dkvs = []
+    for src in range(cp):  # summed in ring order, starting at the owner, as the ring does
+        dkv = None
+        for step in range(cp):
+            mine = grads[(src + step) % cp].get(step)
+            if mine is not None:
+                dkv = mine if dkv is None else dkv.add_(mine)
+        dkvs.append(dkv if dkv is not None else
+                    torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device))
+    dks, dvs = zip(*(unflat_kv(d, kshape, vshape) for d in dkvs))
+    result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
+    result.dk = unshard([d.to(k.dtype) for d in dks], cp, dim=2, load_balance=load_balance)
+    result.dv = unshard([d.to(v.dtype) for d in dvs], cp, dim=2, load_balance=load_balance)
+    return result
