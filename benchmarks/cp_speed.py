@@ -29,8 +29,9 @@ all ranks at once between the same barriers. That is one device's work divided b
 under the same contention for the machine's cores and memory as the rings; with no
 communication and no split of the sequence, no ring can beat it. fraction_of_limit =
 limit / median time. The same kernel over all heads in this process alone, before the
-ranks start, is reported too (full_kernel_ms_alone / cp): on a machine with fewer cores
-than ranks it is not a bound the ranks can reach.
+ranks start, is the `single_device` row; parallel_efficiency = (its time / cp) / median
+time, the issue's measure: on a machine with fewer cores than ranks that limit is not one
+the ranks can reach, which is why fraction_of_limit is reported beside it.
 
 Before timing, every rank checks that the three give the same out, dq, dk, dv on its
 shard (fp32: rtol 1e-4, atol 1e-5; other dtypes: within a few of that dtype's eps).
@@ -246,6 +247,7 @@ def main(argv=None) -> list[dict]:
             "fwd_bwd_ms_min": round(min(per_rank[0]["times"][name]), 2),
             "ratio_vs_torch_cp": round(medians[name] / medians["torch_ring"], 3),
             "fraction_of_limit": round(medians["limit"] / medians[name], 3),
+            "parallel_efficiency": round(alone_ms / a.cp / medians[name], 3),
             "full_kernel_ms_alone_over_cp": round(alone_ms / a.cp, 2),
             "peak_mem_mb_per_rank": round(max(r["memory"][name][0] for r in per_rank), 2),
             "mem_method": per_rank[0]["memory"][name][1],
@@ -254,6 +256,10 @@ def main(argv=None) -> list[dict]:
                           else None),
             "device": "cpu, gloo", "torch": torch.__version__,
         })
+    rows.append({"bench": "cp_speed", "impl": "single_device", "cp": 1, "seq": a.seq, "heads": a.heads,
+                 "kv_heads": cfg["kv_heads"], "dim": a.dim, "batch": a.batch, "dtype": a.dtype,
+                 "causal": a.causal, "fwd_bwd_ms_median": round(alone_ms, 2), "parallel_efficiency": 1.0,
+                 "device": "cpu, one thread, this process alone", "torch": torch.__version__})
     emit(rows, a.out)
     return rows
 

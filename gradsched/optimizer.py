@@ -46,12 +46,6 @@ def _all_gather(out, x, group):
     gather(out, x, group=group)
 
 
-def gather_dtype(dtypes) -> torch.dtype:
-    """The dtype a bucket's parameters are all-gathered in: theirs when they share one, else fp32."""
-    dtypes = set(dtypes)
-    return dtypes.pop() if len(dtypes) == 1 else torch.float32
-
-
 class DistributedOptimizer:
     def __init__(self, model, optimizer_class, **optimizer_kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -74,57 +68,59 @@ class DistributedOptimizer:
         sync = getattr(self.model, "grad_sync", None)
         if sync is None and not hasattr(self.model, "grad_sync"):
             sync = sync_of(self.model.parameters())
-        if sync is None or sync.state is None:
+        if sync is None or sync.sync_plan is None:
             raise RuntimeError("DistributedOptimizer.step() before the model's first forward and backward: the "
                                "gradient shards are laid out by the first backward graph.")
         return sync
 
     def _build(self):
-        st = self.sync.state
-        if not self.sync.options.shard:
-            self.optimizer = self.optimizer_class(list(st.params.values()), **self.kwargs)
+        sync = self.sync
+        plan, params = sync.sync_plan, sync.params
+        if not plan.shard:
+            self.optimizer = self.optimizer_class(list(params.values()), **self.kwargs)
             return
-        pg, ranks, me = self.sync.grad_group()
-        for b in st.layout.buckets:
-            flat = self._flat_params(b)
-            size = b.shard_numel(len(ranks))
+        shards, me = len(plan.grad_group.ranks), plan.grad_group.index
+        for b in plan.layout.buckets:
+            flat = self._flat_params(b, params)
+            size = b.shard_numel(shards)
             self.shards.append(torch.nn.Parameter(flat[me * size:(me + 1) * size].float().clone()))
         self.optimizer = self.optimizer_class(self.shards, **self.kwargs)
 
-    def _flat_params(self, b) -> torch.Tensor:
-        st = self.sync.state
-        device = st.params[b.slots[0].name].device
+    @staticmethod
+    def _flat_params(b, params) -> torch.Tensor:
+        device = params[b.slots[0].name].device
         flat = torch.zeros(b.numel, dtype=torch.float32, device=device)
         for s in b.slots:
-            flat[s.offset:s.offset + s.numel] = st.params[s.name].detach().reshape(-1).float()
+            flat[s.offset:s.offset + s.numel] = params[s.name].detach().reshape(-1).float()
         return flat
 
     @torch.no_grad()
     def step(self):
         if self.optimizer is None:
             self._build()
-        if not self.sync.options.shard:
+        sync = self.sync
+        plan = sync.sync_plan
+        if not plan.shard:
             self.optimizer.step()
             return
-        st = self.sync.state
-        reduced = st.reduced()
+        reduced = sync.results
         if len(reduced) != len(self.shards):
             raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
                                "step's backward passes (and flush() under pipeline parallelism) first.")
         for shard, g in zip(self.shards, reduced):
             shard.grad = g.float()
         self.optimizer.step()
-        pg, ranks, _ = self.sync.grad_group()
-        for b, shard in zip(st.layout.buckets, self.shards):
-            # gather in the parameters' own dtype (bf16 parameters: half the bytes of fp32); the
-            # fp32 master shard stays here. A bucket of mixed dtypes gathers in fp32.
-            dtype = gather_dtype(st.params[s.name].dtype for s in b.slots)
+        pg = sync.grad_group()[0]
+        params = sync.params
+        for b, shard, dtype in zip(plan.layout.buckets, self.shards, plan.gather_dtypes):
+            # gathered in the plan's dtype (the parameters' own: bf16 is half the bytes of fp32);
+            # the fp32 master shard stays here
             full = torch.empty(b.numel, dtype=dtype, device=shard.device)
             _all_gather(full, shard.detach().to(dtype), pg)
             for s in b.slots:
-                p = st.params[s.name]
+                p = params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))
-        st.results.clear()
+        sync.clear_results()
 
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:

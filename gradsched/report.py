@@ -32,7 +32,7 @@ def schedule_report(sync) -> str:
         tranks, tpg = sync.tie_group_of(t)
         names[tpg.group_name] = f"tie{list(tranks)}"
     out = [f"== {plan.describe()} stage {sync.stage}: mode={opts.mode} shard={opts.shard} "
-           f"placement={sync.placement} microbatches={opts.microbatches}"]
+           f"placement={sync.placement} microbatches={opts.microbatches} sync plan {sync.sync_plan.fingerprint()}"]
     for b in st.layout.buckets:
         slots = ", ".join(f"{s.name}@{s.offset}+{s.numel}" + (" (tied)" if s.tie else "") for s in b.slots)
         out.append(f"   bucket {b.index}: {b.numel} x {str(b.dtype).replace('torch.', '')} [{slots}]")
@@ -50,9 +50,8 @@ def schedule_report(sync) -> str:
             out.append(f"   #{i} {r['op']:<14} {names.get(r['group'], r['group']):<16} {r['dtype']:<8} "
                        f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
     if opts.shard:
-        from .optimizer import gather_dtype
-        for b in st.layout.buckets:
-            dtype = str(gather_dtype(st.params[s.name].dtype for s in b.slots)).replace("torch.", "")
+        for b, dtype in zip(st.layout.buckets, sync.sync_plan.gather_dtypes):
+            dtype = str(dtype).replace("torch.", "")
             out.append(f"   after step: all_gather   {names[pg.group_name]:<16} {dtype:<8} bucket {b.index} params "
                        f"({b.numel} elements)")
     for sg in graphs:

@@ -1,8 +1,10 @@
 """GradSync: runs the gradient-sync pass pipeline on one stage and executes its graphs.
 
 One GradSync per pipeline stage (per process). The backend hands it the
-stage's backward graph; it reads the ready order, plans buckets, and places
-each bucket's reduction in one of two graphs:
+stage's backward graph; it reads the ready order and builds the stage's
+SyncPlan once (gradsched.sync_plan: buckets, groups, which graph reduces
+each bucket; plain data, handed to the pass, the report and the optimizer),
+then runs the passes on each graph it places reductions in:
 
   in the backward: a second variant of the backward graph with the collectives
       inserted, used on the last micro-batch of each step (earlier micro-batches
@@ -36,9 +38,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gradsched.passes import GradSpec, SyncSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, \
-    plan_buckets, sink_waits, verify_graph
-from gradsched.passes.bucketing import BucketLayout, place_buckets
+from gradsched.passes import GradSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, sink_waits, \
+    verify_graph
+from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.verify import TiedGradientHazard, graph_to_json
 
 from . import fingerprint, report
@@ -46,6 +48,7 @@ from .compile import compile_graph
 from .optimizer import mark_sharded
 from .options import SyncOptions
 from .plan import ParallelPlan
+from .sync_plan import Group, SyncPlan, plan_sync
 from .ties import Tie, TieMismatch
 
 
@@ -103,6 +106,7 @@ class GradSync:
                 "backward would wait on the other stage before sending its input gradient. Use "
                 "placement='split' (the default for pp > 1: only the tied buckets wait for the flush) or 'flush'.")
         self.state: StageSync | None = None
+        self.sync_plan: SyncPlan | None = None  # built from the first backward graph, then fixed
         # explicit_steps: a driver (ParallelModel.train_step) marks the last micro-batch's backward
         # with step_boundary(); without one (the backend by name), every backward ends a step
         self.explicit_steps = False
@@ -134,14 +138,6 @@ class GradSync:
         """(plan ranks, process group) summing `tie`'s copies for this rank's dp/cp slot."""
         return self.plan.tie_group(tie.stages)
 
-    def _spec(self, layout, grad_outputs, accumulate) -> SyncSpec:
-        pg, ranks, me = self.grad_group()
-        return SyncSpec(layout=layout, grad_outputs=grad_outputs, group=pg.group_name, group_size=len(ranks),
-                        shard_rank=me, tie_groups={t.key: self.tie_group_of(t)[1].group_name
-                                                   for t in self.ties.values()},
-                        mode=self.options.mode, shard=self.options.shard, average=self.options.average,
-                        accumulate=accumulate)
-
     # ---- called by the backend ------------------------------------------------------------
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter]):
@@ -165,16 +161,17 @@ class GradSync:
         if unknown:
             raise TieMismatch(f"tied parameter(s) {unknown} of stage {self.stage} get no gradient in its "
                               "backward graph: the tie declaration does not match the model.")
-        layout = plan_buckets(ready, bucket_mb=self.options.bucket_mb, shards=len(self.plan.group_ranks("grad")),
-                              reduce_dtype=self.options.reduce_dtype,
-                              ties={n: t.key for n, t in self.ties.items()},
-                              # a bucket of its own for each tied gradient: shard_aligned needs it for
-                              # correctness; tied_first for bitwise-equal copies (the reduce-scatter
-                              # then sums every copy's elements in the same order). unsafe_rs_first
-                              # keeps ready order, where #844 bites.
-                              align_ties=self.options.mode != "unsafe_rs_first")
-        self.state = StageSync(ready, layout, params)
-        self.state.graphs = {where: SyncGraph(where, part) for where, part in place_buckets(layout, self.placement).items()}
+        pg, ranks, me = self.grad_group()
+        tie_groups = {}
+        for t in self.ties.values():
+            tranks, tpg = self.tie_group_of(t)
+            tie_groups[t.key] = Group(tpg.group_name, tuple(tranks), list(tranks).index(self.plan.rank))
+        self.sync_plan = plan_sync(ready, self.options, stage=self.stage, rank=self.plan.rank,
+                                   placement=self.placement, grad_group=Group(pg.group_name, tuple(ranks), me),
+                                   tie_groups=tie_groups, ties={n: t.key for n, t in self.ties.items()},
+                                   param_dtypes={n: p.dtype for n, p in params.items()})
+        self.state = StageSync(ready, self.sync_plan.layout, params)
+        self.state.graphs = {where: SyncGraph(where, part) for where, part in self.sync_plan.graphs.items()}
         attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())
@@ -191,9 +188,9 @@ class GradSync:
         accumulate = self.options.microbatches > 1
         sync_gm = fx.GraphModule(bw_gm, bw_gm.graph.__deepcopy__())
         sync_gm.meta.update(bw_gm.meta)
-        mine = {s.name for b in sg.layout.buckets for s in b.slots}
-        _, record = insert_grad_sync(sync_gm, self._spec(sg.layout, {r.name: r.output_index for r in ready
-                                                                     if r.name in mine}, accumulate))
+        mine = self.sync_plan.names("backward")
+        _, record = insert_grad_sync(sync_gm, self.sync_plan.spec(
+            "backward", {r.name: r.output_index for r in ready if r.name in mine}, accumulate))
         sink_waits(sync_gm)
         _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync and sink_waits")
         extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
@@ -259,7 +256,7 @@ class GradSync:
             phs.append(ph)
         g.output(tuple(phs))
         gm = fx.GraphModule(torch.nn.Module(), g)
-        _, record = insert_grad_sync(gm, self._spec(layout, {r.name: i for i, r in enumerate(ready)}, False))
+        _, record = insert_grad_sync(gm, self.sync_plan.spec("flush", {r.name: i for i, r in enumerate(ready)}, False))
         if self.options.shard:  # the gradient outputs are None: return the shards only
             out = gm.graph.output_node()
             out.args = (tuple(out.args[0][record.n_outputs:]),)
@@ -316,6 +313,15 @@ class GradSync:
     def results(self) -> list[torch.Tensor]:
         """This step's reduced buckets (shards, or whole buckets with shard=False) in layout order."""
         return self._require_state().reduced()
+
+    def clear_results(self) -> None:
+        """The optimizer has consumed this step's reduced buckets."""
+        self._require_state().results.clear()
+
+    @property
+    def params(self) -> dict[str, torch.nn.Parameter]:
+        """The stage's trained parameters by name, as the plan names them."""
+        return self._require_state().params
 
     def sync_graphs(self) -> list[SyncGraph]:
         """The built sync graphs, in run order: the backward's, then the flush's."""

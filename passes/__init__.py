@@ -1,17 +1,21 @@
 """gradsched's FX passes: pure graph-to-graph functions, composed in one visible pipeline.
 
-The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph:
+The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph (steps 2 and 2b
+through `gradsched.sync_plan.plan_sync`, whose SyncPlan is the plain-data result the later
+steps and the optimizer are handed):
 
   1. grad_ready_order   (grad_ready_order.py)  read the order gradients become ready
-  2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized;
-                                               ties aligned in shard_aligned mode
+  2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized, the
+                                               last one small; a tied gradient alone
   2b. place_buckets     (bucketing.py)         which graph reduces each bucket: the last
                                                micro-batch's backward, or the flush (tied
                                                buckets under placement="split")
   3. insert_grad_sync   (grad_sync.py)         tie all-reduce -> bucket reduce-scatter
                                                (a data dependence), per mode, on each graph
-  3b. sink_waits       (sink_waits.py)        each collective's wait just before its first
-                                               use: the backward computes while reductions fly
+  3b. sink_waits        (sink_waits.py)        each collective's wait just before its first
+                                               use: the backward computes while reductions
+                                               fly (Inductor's raise_comms and sink_waits
+                                               keep it in the generated code)
   4. verify_graph       (verify.py)            prove the order or the alignment, per tie
 
 Context parallelism (context_parallel.py) lowers attention into ring steps on the

@@ -110,8 +110,10 @@ def test_a_stage_reading_two_copies_of_one_weight_after_the_split_is_refused():
     import subprocess
     import sys
     code = "import test_bad_input as t; print(t.refusal_of_third_use())"
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")  # tiny_gpt
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(__file__), env={**os.environ, "PYTHONHASHSEED": "0"}).stdout
+                         cwd=os.path.dirname(__file__),
+                         env={**os.environ, "PYTHONHASHSEED": "0", "PYTHONPATH": examples}).stdout
     assert "stage 0 reads one weight of the model (named wte.weight, blocks.1.emb_w, lm_head.weight) " \
            "through 2 separate copies" in out
 
