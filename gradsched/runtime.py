@@ -36,10 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gradsched.passes import GradSpec, TieCheck, TieLayout, grad_ready_order, insert_grad_sync, sink_waits, \
-    verify_graph
+from gradsched.passes import GradSpec, TieCheck, TieLayout, grad_ready_order, verify_graph
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.verify import TiedGradientHazard, graph_to_json
 
@@ -48,6 +46,7 @@ from .compile import compile_graph
 from .optimizer import mark_sharded
 from .options import SyncOptions
 from .plan import ParallelPlan
+from .sync_graphs import backward_sync_graph, flush_sync_graph
 from .sync_plan import Group, SyncPlan, plan_sync
 from .ties import Tie, TieMismatch
 
@@ -142,7 +141,6 @@ class GradSync:
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter]):
         """Plan buckets from this backward graph; return the callable to run as backward."""
-        _maybe_print(bw_gm, f"stage {self.stage} backward graph, before the gradient-sync passes")
         ready = grad_ready_order(bw_gm, grad_names)
         if self.state is not None and [r.name for r in self.state.ready] != [r.name for r in ready]:
             raise RuntimeError(
@@ -185,14 +183,7 @@ class GradSync:
         if sg is None:
             return plain
 
-        accumulate = self.options.microbatches > 1
-        sync_gm = fx.GraphModule(bw_gm, bw_gm.graph.__deepcopy__())
-        sync_gm.meta.update(bw_gm.meta)
-        mine = self.sync_plan.names("backward")
-        _, record = insert_grad_sync(sync_gm, self.sync_plan.spec(
-            "backward", {r.name: r.output_index for r in ready if r.name in mine}, accumulate))
-        sink_waits(sync_gm)
-        _maybe_print(sync_gm, f"stage {self.stage} backward graph, after insert_grad_sync and sink_waits")
+        sync_gm, record = backward_sync_graph(bw_gm, self.sync_plan, accumulate=self.options.microbatches > 1)
         extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
                  for n in record.acc_inputs]
         fake = detect_fake_mode(example_inputs)
@@ -227,10 +218,9 @@ class GradSync:
         sg = st.graphs.get("flush")
         if sg is None:
             return
-        names = {s.name for b in sg.layout.buckets for s in b.slots}
-        ready = [r for r in st.ready if r.name in names]
+        ready = self.sync_plan.flush_inputs()
         if sg.fn is None:
-            sg.gm, sg.record = self._build_flush_graph(ready, sg.layout)
+            sg.gm, sg.record = flush_sync_graph(self.sync_plan)
             examples = [torch.zeros(r.shape, dtype=r.dtype, device=st.params[r.name].device) for r in ready]
             sg.fn = compile_graph(sg.gm, examples, self.options.compiler)
         self._check_once(sg)
@@ -246,24 +236,6 @@ class GradSync:
         else:  # all-reduced: each parameter's .grad is its view of the reduced bucket
             for r, g in zip(ready, outs):
                 st.params[r.name].grad = g
-
-    def _build_flush_graph(self, ready: list[GradSpec], layout: BucketLayout):
-        g, fake = fx.Graph(), FakeTensorMode()
-        phs = []
-        for i, r in enumerate(ready):
-            ph = g.placeholder(f"grad_{i}")
-            ph.meta["val"] = fake.from_tensor(torch.empty(r.shape, dtype=r.dtype))
-            phs.append(ph)
-        g.output(tuple(phs))
-        gm = fx.GraphModule(torch.nn.Module(), g)
-        _, record = insert_grad_sync(gm, self.sync_plan.spec("flush", {r.name: i for i, r in enumerate(ready)}, False))
-        if self.options.shard:  # the gradient outputs are None: return the shards only
-            out = gm.graph.output_node()
-            out.args = (tuple(out.args[0][record.n_outputs:]),)
-            gm.recompile()
-        sink_waits(gm)
-        _maybe_print(gm, f"stage {self.stage} flush graph, after insert_grad_sync and sink_waits")
-        return gm, record
 
     # ---- checks before the first collective ----------------------------------------------
     def _check_once(self, sg: SyncGraph) -> None:
@@ -352,8 +324,3 @@ def sync_of(params) -> GradSync | None:
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
-
-
-def _maybe_print(gm: fx.GraphModule, what: str) -> None:
-    if os.environ.get("GRADSCHED_PRINT_GRAPHS"):
-        print(f"==== gradsched: {what} ====\n{gm.print_readable(print_output=False)}", flush=True)

@@ -55,6 +55,11 @@ class SyncPlan:
     def names(self, where: str) -> set[str]:
         return {s.name for b in self.graphs[where].buckets for s in b.slots}
 
+    def flush_inputs(self) -> list[GradSpec]:
+        """The flush graph's inputs: the gradients it reduces, in ready order."""
+        names = self.names("flush")
+        return [r for r in self.ready if r.name in names]
+
     def to_json(self) -> dict:
         return {"stage": self.stage, "placement": self.placement, "mode": self.mode, "shard": self.shard,
                 "average": self.average, "grad_group": list(self.grad_group.ranks),

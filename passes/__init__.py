@@ -22,7 +22,7 @@ Context parallelism (context_parallel.py) lowers attention into ring steps on th
 forward graph, before AOTAutograd.
 
 Each pass's module docstring states the invariant it establishes and what it assumes.
-`GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline and the
+`GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline (gradsched/sync_graphs.py) and the
 graph it produces.
 """
 from .bucketing import BucketLayout, place_buckets, plan_buckets
