@@ -30,6 +30,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str, comm_overla
         import torch._inductor.config as inductor_config
         with inductor_config.patch(COMM_OVERLAP):
             return compile_graph(gm, example_inputs, compiler)
+    # Inductor rewrites the graph it compiles in place (its reinplacing turns a functional
+    # all_reduce into all_reduce_): compile a copy, so that the verifier, the report and the
+    # cross-rank check read the graph gradsched built
+    gm, built = fx.GraphModule(gm, gm.graph.__deepcopy__()), gm
+    gm.meta.update(built.meta)
     fake = detect_fake_mode(example_inputs)
     if fake is None:  # a graph built by gradsched itself (the flush graph): give Inductor fake inputs
         fake = fake_mode_of(gm)
