@@ -36,6 +36,17 @@ def rank_backward(ring: Ring, q, ks, vs, dout, lse, saved_out):
     return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), grads
 
 
+def _checked(call, q, k, cp, causal, load_balance, accumulate, fewest_roundings) -> bool:
+    """Refuse what the ring would refuse (inputs over the whole sequence); the resolved
+    fewest_roundings."""
+    if fewest_roundings is None:
+        fewest_roundings = fewest_roundings_default(q.device.type)
+    check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2] // cp, cp=cp,
+                         causal=causal, load_balance=load_balance, accumulate=accumulate,
+                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    return fewest_roundings
+
+
 def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
                  accumulate: str = "fp32", *, load_balance: bool = True,
                  fewest_roundings: bool | None = None):
@@ -44,12 +55,7 @@ def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
     one full-sequence kernel's time / cp. Inputs as simulate_ring's, on any device."""
     from gradsched.cp_layout import shard
 
-    if fewest_roundings is None:
-        fewest_roundings = fewest_roundings_default(q.device.type)
-    check_attention_call("rank_compute", q_heads=q.shape[1], kv_heads=k.shape[1],
-                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
-                         load_balance=load_balance, accumulate=accumulate,
-                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    fewest_roundings = _checked("rank_compute", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
     scale = 1.0 / math.sqrt(q.shape[-1])
     ks, vs = ([shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
               for x in (k, v))
@@ -97,12 +103,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     """
     from gradsched.cp_layout import shard, unshard
 
-    if fewest_roundings is None:
-        fewest_roundings = fewest_roundings_default(q.device.type)
-    check_attention_call("simulate_ring", q_heads=q.shape[1], kv_heads=k.shape[1],
-                         local_len=q.shape[2] // cp, cp=cp, causal=causal,
-                         load_balance=load_balance, accumulate=accumulate,
-                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+    fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
     if q.shape[2] % cp:
         raise unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
                            f"by cp={cp}", "Pad the sequence.")

@@ -5,6 +5,11 @@ Invariant: each bucket's numel is a multiple of `shards` (the data-parallel
 group size), so a reduce-scatter splits it into equal shards, and a parameter
 occupies one contiguous range [offset, offset + numel) of one bucket.
 
+Buckets are filled from the end of the ready order: the last bucket (and, while
+the buckets behind it hold tied gradients, the last untied one) holds at most
+`tail_mb`, or the last gradient alone, since nothing is left to compute while it
+is reduced (tests/test_bucketing.py).
+
 With `align_ties`, a tied gradient gets a bucket of its own, of size
 round_up(numel, shards): a size that depends only on the weight and the DP
 size, so every stage holding a copy shards it identically and each rank owns

@@ -11,9 +11,11 @@ Assumes: each `wait_tensor` reads the collective it waits on (functional
 collectives), and the graph is topologically sorted. Nothing else is moved, so
 `meta["val"]` is untouched.
 
-Inductor keeps this order in its output code (tests/test_sink_waits.py reads the
-generated code): the waits are extern calls its scheduler does not hoist, and
-its own `sink_waits` comms pass is off by default.
+This fixes the order for the eager compiler. Inductor schedules on its own: the
+graphs that reduce are compiled with its `sink_waits` and `raise_comms` comm passes
+(gradsched/compile.py), and tests/test_compiled_graph.py reads its generated code
+(waits after the backward's last kernel, reductions spread through it).
+tests/test_sink_waits.py checks the invariant on FX graphs.
 """
 from __future__ import annotations
 
