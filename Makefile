@@ -22,9 +22,12 @@ test: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
 
 # On a CUDA machine, with its own CUDA torch (no venv: the pinned CPU wheel has no CUDA).
+# The editable install maps gradsched.passes to passes/ (no network needed: no build isolation).
 gpu-test:
+	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m pytest -q -m gpu tests
-	$(PYTHON) benchmarks/cp_rank_compute.py --device cuda --cp 2 4 8 --out ''
+	$(PYTHON) benchmarks/triton_kernel.py --out ''
+	$(PYTHON) benchmarks/cp_rank_compute.py --device cuda --cp 2 4 8 --accumulate fp32 input --out ''
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3

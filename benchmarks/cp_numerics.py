@@ -66,9 +66,10 @@ def fp64_reference(q, k, v, dout, causal: bool):
     groups = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     n = q.shape[2]
-    mask = torch.ones(n, n, dtype=torch.bool).triu(1) if causal else None
-    out, dq = torch.empty(q.shape, dtype=torch.float64), torch.empty(q.shape, dtype=torch.float64)
-    dk, dv = torch.empty(k.shape, dtype=torch.float64), torch.empty(v.shape, dtype=torch.float64)
+    f64 = dict(dtype=torch.float64, device=q.device)
+    mask = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1) if causal else None
+    out, dq = torch.empty(q.shape, **f64), torch.empty(q.shape, **f64)
+    dk, dv = torch.empty(k.shape, **f64), torch.empty(v.shape, **f64)
     for b in range(q.shape[0]):
         for h in range(k.shape[1]):
             heads = slice(h * groups, (h + 1) * groups)
@@ -91,6 +92,41 @@ def single_process(q, k, v, dout, causal: bool):
         q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 0.0, causal)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
+
+
+def single_cuda(q, k, v, dout, causal: bool):
+    """out, dq, dk, dv of torch's fused SDPA on one GPU over the whole sequence (flash for
+    bf16/fp16), in the input dtype: the single-device baseline on CUDA."""
+    q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
+    groups = q.shape[1] // k.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), is_causal=causal)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CUDA_MODES = ("fp32", "fp32_blocks", "input", "fp32+aten", "fp32_blocks+aten")
+
+
+def simulated_on_cuda(q, k, v, dout, cfg: dict, cp: int) -> dict:
+    """{mode: ((out, dq, dk, dv), seconds)} of the ring simulated on one GPU (every rank in
+    turn: the ring's blocks, merges and sums). "+aten" keeps the aten kernels (flash for the
+    fp32 merge; fp32 operands through the memory-efficient kernel for fp32_blocks) where the
+    plain modes run the Triton kernel."""
+    from gradsched.ring_simulation import simulate_ring
+
+    results = {}
+    for mode in cfg["modes"]:
+        accumulate, _, kernel = mode.partition("+")
+        os.environ["GRADSCHED_BLOCK_KERNEL"] = kernel
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        got = simulate_ring(q, k, v, cp, cfg["causal"], accumulate, grad_out=dout)
+        torch.cuda.synchronize()
+        results[mode] = ((got.out, got.dq, got.dk, got.dv), time.perf_counter() - t0)
+        log(f"simulated ring, accumulate={mode}: {results[mode][1]:.2f} s")
+    os.environ.pop("GRADSCHED_BLOCK_KERNEL", None)
+    return results
 
 
 def torch_ring_attention(q, k, v, dout, causal: bool, group=None):
@@ -172,32 +208,45 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS, help="JSONL file for the results ('' for none)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed to the ranks")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU, the ring simulated (modes default to "
+                        f"{','.join(CUDA_MODES)}); cpu: --cp gloo processes")
     a = p.parse_args(argv)
+    if a.device == "cuda" and a.modes == ",".join(MODES):
+        a.modes = ",".join(CUDA_MODES)
     cfg = dict(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, dim=a.dim, batch=a.batch,
                dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","))
 
-    q, k, v, dout = make_inputs(cfg)
+    q, k, v, dout = (x.to(a.device) for x in make_inputs(cfg))
     t0 = time.perf_counter()
     ref = fp64_reference(q, k, v, dout, a.causal)
     log(f"fp64 reference: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    single = single_process(q, k, v, dout, a.causal)
-    log(f"single process ({a.dtype}): {time.perf_counter() - t0:.1f} s")
+    single = (single_cuda if a.device == "cuda" else single_process)(q, k, v, dout, a.causal)
+    log(f"single device ({a.dtype}): {time.perf_counter() - t0:.1f} s")
 
-    t0 = time.perf_counter()
-    per_rank = run_ranks(_rank, a.cp, cfg, timeout_s=a.timeout, collective_timeout_s=a.timeout)
-    log(f"{a.cp} ranks: {time.perf_counter() - t0:.1f} s in all")
+    if a.device == "cuda":
+        simulated = simulated_on_cuda(q, k, v, dout, cfg, a.cp)
+        device = torch.cuda.get_device_name() + ", ring simulated on one GPU"
+    else:
+        t0 = time.perf_counter()
+        per_rank = run_ranks(_rank, a.cp, cfg, timeout_s=a.timeout, collective_timeout_s=a.timeout)
+        log(f"{a.cp} ranks: {time.perf_counter() - t0:.1f} s in all")
+        device = "cpu, gloo"
 
     rows = []
     for mode in cfg["modes"]:
-        ring = [unshard([r[mode][0][i] for r in per_rank], a.cp, dim=2) for i in range(4)]
-        seconds = max(r[mode][1] for r in per_rank)
+        if a.device == "cuda":
+            ring, seconds = simulated[mode]
+        else:
+            ring = [unshard([r[mode][0][i] for r in per_rank], a.cp, dim=2) for i in range(4)]
+            seconds = max(r[mode][1] for r in per_rank)
         for name, x, s, r in zip(TENSORS, ring, single, ref):
             rows.append({"bench": "cp_numerics", "accumulate": mode, "cp": a.cp, "tensor": name,
                          **metrics(x, s, r), "seq": a.seq, "heads": a.heads, "kv_heads": cfg["kv_heads"],
                          "dim": a.dim, "batch": a.batch, "dtype": a.dtype, "causal": a.causal,
                          "comm": "allgather (torch default)" if mode == "torch_ring" else a.comm,
-                         "ring_seconds": round(seconds, 2)})
+                         "ring_seconds": round(seconds, 2), "device": device})
     emit(rows, a.out)
     return rows
 

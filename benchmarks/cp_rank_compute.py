@@ -79,6 +79,9 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--causal", choices=("causal", "full", "both"), default="both")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--accumulate", nargs="+", default=["fp32"],
+                   help="the ring's modes to time (on CUDA fp32/fp32_blocks run the Triton "
+                        "block kernel, input runs aten flash blocks)")
     p.add_argument("--compile", action="store_true",
                    help="time each rank's compute compiled by Inductor (fullgraph), as the "
                         "ring runs under torch.compile, instead of eager")
@@ -100,11 +103,12 @@ def main(argv=None) -> list[dict]:
         full_ms = median_ms(whole, a.iters, device)
         log(f"{'causal' if causal else 'full'}: one kernel over the whole sequence "
             f"({choose_kernel(device.type, dtype, False)}) {full_ms:.2f} ms")
-        for cp in a.cp:
+        for cp, accumulate in [(cp, acc) for cp in a.cp for acc in a.accumulate]:
             # fewest_roundings is refused off the CPU (its mask tensors)
             for fewest in (False, True) if device.type == "cpu" else (False,):
                 def rank(r):
-                    fn = rank_compute(q, k, v, dout, cp, r, causal, fewest_roundings=fewest)
+                    fn = rank_compute(q, k, v, dout, cp, r, causal, accumulate,
+                                      fewest_roundings=fewest)
                     if not a.compile:
                         return fn
                     torch._dynamo.reset()  # one compile per rank: the same code, other constants
@@ -113,6 +117,8 @@ def main(argv=None) -> list[dict]:
                 limit = full_ms / cp
                 row = {"bench": "cp_rank_compute", "device": name, "cp": cp, "causal": causal,
                        "schedule": "fewest_roundings" if fewest else "fast",
+                       "accumulate": accumulate,
+                       "block_kernel": choose_kernel(device.type, dtype, False, accumulate),
                        "compiled": a.compile,
                        "dtype": a.dtype, "batch": a.batch, "heads": a.heads, "seq": a.seq,
                        "dim": a.dim, "full_kernel_ms": round(full_ms, 3),
@@ -121,7 +127,7 @@ def main(argv=None) -> list[dict]:
                        "fraction_of_limit": round(limit / max(per_rank), 3),
                        "mean_fraction_of_limit": round(limit / statistics.mean(per_rank), 3),
                        "torch": torch.__version__}
-                log(f"  cp={cp} {row['schedule']}: slowest rank {max(per_rank):.2f} ms, "
+                log(f"  cp={cp} {accumulate} {row['schedule']}: slowest rank {max(per_rank):.2f} ms, "
                     f"{row['fraction_of_limit']:.0%} of the limit")
                 rows.append(row)
     emit(rows, a.out)

@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gradsched.attention_kernels import attend, attend_backward, dq_tile
+from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.ring_schedule import Piece, Ring, plan_calls, rounds_results
 
 def expand_heads(x, q_heads: int):
@@ -45,7 +45,10 @@ def merge_block(out, lse, block_out, block_lse, dtype: torch.dtype):
 
 
 def operands(ring: Ring, *xs):
-    if ring.accumulate == "fp32_blocks":
+    """The block kernel's operands: fp32 where "fp32_blocks" runs an aten kernel (which returns
+    its operands' dtype); as given for the Triton kernel, which returns fp32 itself."""
+    x = xs[0]
+    if upcast_operands(x.device.type, x.dtype, ring.accumulate):
         return tuple(x.float() for x in xs)
     return xs
 
@@ -83,7 +86,7 @@ def forward_window(state: list, q, rows: list, window, ring: Ring) -> None:
         x = rows[parts[0]] if len(parts) == 1 else q
         k, v, causal, mask = call_keys(pieces, ring, x.shape[2], x.dtype)
         out, lse = attend(x, expand_heads(k, heads), expand_heads(v, heads), causal,
-                           ring.scale, mask)
+                           ring.scale, mask, ring.accumulate)
         outs = (out,) if len(parts) == 1 else out.chunk(len(parts), dim=2)
         lses = (lse,) if len(parts) == 1 else lse.chunk(len(parts), dim=2)
         for p, o, l in zip(parts, outs, lses):
@@ -122,7 +125,7 @@ def backward_window(dq: list, rows: list, window, grads: dict, ring: Ring, kshap
         q, out, dout, lse = rows[1 + parts[0]] if len(parts) == 1 else rows[0]
         k, v, causal, mask = call_keys(pieces, ring, q.shape[2], q.dtype)
         gq, gk, gv = attend_backward(dout, q, expand_heads(k, heads), expand_heads(v, heads),
-                                      out, lse, causal, ring.scale, mask)
+                                      out, lse, causal, ring.scale, mask, ring.accumulate)
         for p, g in zip(parts, (gq,) if len(parts) == 1 else gq.chunk(len(parts), dim=2)):
             dq[p] += g
         gk = reduce_heads(gk, kshape[1], dtype).split(kshape[2] // ring.parts, dim=2)

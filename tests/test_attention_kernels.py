@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsched.attention_kernels import KernelError, choose_kernel, dq_tile
+from gradsched import attention_kernels
+from gradsched.attention_kernels import KernelError, choose_kernel, dq_tile, upcast_operands
 from gradsched.ring_attention import RingAttentionError, check_attention_call
 
 
@@ -41,3 +42,29 @@ def test_fewest_roundings_off_the_cpu_is_refused_before_anything_runs():
     check_attention_call("attn", **args, fewest_roundings=True, device_type="cpu")
     with pytest.raises(RingAttentionError, match="fewest_roundings=True is for the CPU kernel"):
         check_attention_call("attn", **args, fewest_roundings=True, device_type="cuda")
+
+
+@pytest.mark.parametrize("accumulate", ["fp32", "fp32_blocks"])
+def test_cuda_fp32_accumulation_of_reduced_operands_runs_the_triton_kernel(monkeypatch, accumulate):
+    monkeypatch.setattr(attention_kernels.triton_attention, "available", lambda device: True)
+    assert choose_kernel("cuda", torch.bfloat16, False, accumulate) == "triton_fp32"
+    assert not upcast_operands("cuda", torch.bfloat16, accumulate)  # it returns fp32 itself
+
+
+def test_the_triton_kernel_is_not_chosen_where_it_does_not_apply(monkeypatch):
+    monkeypatch.setattr(attention_kernels.triton_attention, "available", lambda device: True)
+    assert choose_kernel("cuda", torch.bfloat16, False, "input") == "cuda_flash"
+    assert choose_kernel("cuda", torch.bfloat16, False, None) == "cuda_flash"
+    assert choose_kernel("cuda", torch.bfloat16, True, "fp32") == "cuda_efficient"  # a mask
+    assert choose_kernel("cuda", torch.float32, False, "fp32") == "cuda_efficient"
+    assert choose_kernel("cpu", torch.bfloat16, False, "fp32") == "cpu_flash"
+    monkeypatch.setenv("GRADSCHED_BLOCK_KERNEL", "aten")
+    assert choose_kernel("cuda", torch.bfloat16, False, "fp32") == "cuda_flash"
+
+
+def test_without_triton_cuda_fp32_blocks_upcasts_for_the_aten_kernel(monkeypatch):
+    monkeypatch.setattr(attention_kernels.triton_attention, "available", lambda device: False)
+    assert choose_kernel("cuda", torch.bfloat16, False, "fp32_blocks") == "cuda_flash"
+    assert upcast_operands("cuda", torch.bfloat16, "fp32_blocks")
+    assert upcast_operands("cpu", torch.bfloat16, "fp32_blocks")
+    assert not upcast_operands("cpu", torch.bfloat16, "fp32")

@@ -65,3 +65,69 @@ def test_fewest_roundings_is_refused_on_cuda():
     q, k, v, dout = cuda_inputs(torch.bfloat16, 8, seq=256, seed=0)
     with pytest.raises(RingAttentionError, match="fewest_roundings=True is for the CPU kernel"):
         simulate_ring(q, k, v, 2, True, grad_out=dout, fewest_roundings=True)
+
+
+@pytest.mark.parametrize("accumulate", ["fp32_blocks", "input"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_simulated_ring_other_accumulation_modes_on_cuda(accumulate, causal):
+    q, k, v, dout = cuda_inputs(torch.bfloat16, 2, seq=1024, seed=11)
+    got = simulate_ring(q, k, v, 4, causal, accumulate, grad_out=dout)
+    # "input" rounds to bf16 at every step: only the max bound is promised (as on CPU)
+    failures = check_accuracy((got.out, got.dq, got.dk, got.dv),
+                              torch_fused(q, k, v, causal, dout),
+                              fp64_attention(q, k, v, causal, dout), torch.bfloat16, 4,
+                              mean_factor=None if accumulate == "input" else 1.5)
+    assert not failures, "\n".join(failures)
+
+
+def test_fp32_ring_with_the_aten_kernels_still_meets_the_bound(monkeypatch):
+    monkeypatch.setenv("GRADSCHED_BLOCK_KERNEL", "aten")  # the path without Triton
+    q, k, v, dout = cuda_inputs(torch.bfloat16, 2, seq=1024, seed=12)
+    got = simulate_ring(q, k, v, 4, True, grad_out=dout)
+    failures = check_accuracy((got.out, got.dq, got.dk, got.dv),
+                              torch_fused(q, k, v, True, dout),
+                              fp64_attention(q, k, v, True, dout), torch.bfloat16, 4)
+    assert not failures, "\n".join(failures)
+
+
+# ---- the Triton block kernel on the GPU (bf16 too: the interpreter only checks fp16) --------
+
+def _mean_err(x, ref):
+    return (x.double() - ref).abs().mean().item()
+
+
+@pytest.mark.parametrize("precise", [False, True], ids=["fp32", "fp32_blocks"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_triton_block_kernel_beats_the_flash_kernels_own_error(dtype, causal, precise):
+    from gradsched import triton_attention
+    from gradsched.attention_kernels import attend, attend_backward
+
+    q, k, v, dout = cuda_inputs(dtype, 8, seq=1024, seed=13, dim=128)
+    scale = 128 ** -0.5
+    out, lse = triton_attention.block_forward(q, k, v, causal, 0, scale, precise)
+    got = (out, *triton_attention.block_backward(dout, q, k, v, out, lse, causal, 0, scale,
+                                                 precise))
+    f_out, f_lse = attend(q, k, v, causal, scale)  # aten flash, results in the input dtype
+    flash = (f_out, *attend_backward(dout, q, k, v, f_out, f_lse, causal, scale))
+    ref = fp64_attention(q, k, v, causal, dout)
+    for name, g, f, r in zip(("out", "dq", "dk", "dv"), got, flash, ref):
+        assert g.dtype == torch.float32 and torch.isfinite(g).all(), name
+        assert _mean_err(g, r) <= _mean_err(f, r), name
+        if precise:  # the rounding floor: far below one rounding of the exact answer
+            assert _mean_err(g, r) < 0.05 * _mean_err(r.to(dtype), r), name
+
+
+def test_triton_block_kernel_compiles_inside_torch_compile():
+    from gradsched import triton_attention
+
+    q, k, v, dout = cuda_inputs(torch.bfloat16, 8, seq=512, seed=14)
+
+    def block(q, k, v):
+        out, lse = triton_attention.block_forward(q, k, v, True, 0, 0.125, True)
+        return out * 2, lse
+
+    eager = block(q, k, v)
+    compiled = torch.compile(block, fullgraph=True)(q, k, v)
+    for e, c in zip(eager, compiled):
+        torch.testing.assert_close(c, e, rtol=0, atol=0)

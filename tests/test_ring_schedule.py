@@ -24,10 +24,10 @@ def recorded_forward_calls(monkeypatch, cp, causal, dtype=torch.float32, fewest=
     calls = []
     real = blocks.attend
 
-    def attend(q, k, v, is_causal, scale, mask=None):
+    def attend(q, k, v, is_causal, scale, mask=None, accumulate=None):
         calls.append(dict(rows=q.shape[2], keys=k.shape[2], causal=is_causal,
                           mask=mask is not None))
-        return real(q, k, v, is_causal, scale, mask)
+        return real(q, k, v, is_causal, scale, mask, accumulate)
 
     monkeypatch.setattr(blocks, "attend", attend)
     q, k, v = (torch.randn(1, H, S, D).to(dtype) for _ in range(3))
