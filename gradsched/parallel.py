@@ -75,7 +75,7 @@ class ParallelModel:
             return (inputs,), targets
         from .cp_layout import shard
         cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
-        pos = torch.arange(inputs.shape[1]).expand(inputs.shape[:2])
+        pos = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[:2])
         return (shard(inputs, cp, r, 1, lb), shard(pos, cp, r, 1, lb)), shard(targets, cp, r, 1, lb)
 
     def _build_pipeline(self, microbatch: tuple):
@@ -112,7 +112,8 @@ class ParallelModel:
                 with sync.step_boundary(last=last_backward):
                     return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
-        stage = Stage(self.module, self.plan.stage, self.plan.pp, torch.device("cpu"),
+        device = next(self.module.parameters()).device  # the stage runs where its weights are
+        stage = Stage(self.module, self.plan.stage, self.plan.pp, device,
                       group=self.plan.process_group("pp"))
         cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
         self.schedule = cls(stage, n_microbatches=self.options.microbatches,

@@ -159,7 +159,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:
         raise PlanError(
             f"torch.distributed is not initialized and {', '.join(missing)} is not set: "
             "launch with torchrun, or call torch.distributed.init_process_group first.")
+    import torch
     if backend is None:
-        import torch
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":  # one GPU per process: torchrun's LOCAL_RANK says which
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))

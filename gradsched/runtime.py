@@ -220,8 +220,9 @@ class GradSync:
             return
         ready = self.sync_plan.flush_inputs()
         if sg.fn is None:
-            sg.gm, sg.record = flush_sync_graph(self.sync_plan)
-            examples = [torch.zeros(r.shape, dtype=r.dtype, device=st.params[r.name].device) for r in ready]
+            device = st.params[ready[0].name].device
+            sg.gm, sg.record = flush_sync_graph(self.sync_plan, device)
+            examples = [torch.zeros(r.shape, dtype=r.dtype, device=device) for r in ready]
             sg.fn = compile_graph(sg.gm, examples, self.options.compiler)
         self._check_once(sg)
         t0 = time.perf_counter()

@@ -39,13 +39,15 @@ def backward_sync_graph(bw_gm: fx.GraphModule, plan: SyncPlan, accumulate: bool)
     return gm, record
 
 
-def flush_sync_graph(plan: SyncPlan) -> tuple[fx.GraphModule, SyncRecord]:
-    """Inputs: the flush's gradients, in `plan.flush_inputs()` order."""
+def flush_sync_graph(plan: SyncPlan, device: torch.device) -> tuple[fx.GraphModule, SyncRecord]:
+    """Inputs: the flush's gradients, in `plan.flush_inputs()` order, on `device` (the
+    parameters')."""
     g, fake = fx.Graph(), FakeTensorMode()
     phs = []
     for i, r in enumerate(plan.flush_inputs()):
         ph = g.placeholder(f"grad_{i}")
-        ph.meta["val"] = fake.from_tensor(torch.empty(r.shape, dtype=r.dtype))
+        with fake:  # a fake tensor may sit on a device this machine lacks (CUDA in CPU tests)
+            ph.meta["val"] = torch.empty(r.shape, dtype=r.dtype, device=device)
         phs.append(ph)
     g.output(tuple(phs))
     gm = fx.GraphModule(torch.nn.Module(), g)

@@ -112,7 +112,7 @@ def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
     for spec in reversed(ready):
         dtype = reduce_dtype or spec.dtype
         mb = min(tail_mb, bucket_mb) if exposed else bucket_mb
-        cap = max(1, int(mb * 2**20) // torch.empty((), dtype=dtype).element_size())
+        cap = max(1, int(mb * 2**20) // dtype.itemsize)
         alone = bool(ties.get(spec.name)) and align_ties
         used = sum(sp.numel for sp, _ in cur)
         if cur and (dtype != cur[0][1] or used + spec.numel > cap or alone or

@@ -82,8 +82,9 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> tuple[fx.GraphModule
     if spec.accumulate:
         for bucket in spec.layout.buckets:
             for s in bucket.slots:
-                ex = torch.empty(s.shape, dtype=s.dtype)
-                acc[s.name] = b.placeholder(f"acc_grad_{len(acc)}", ex)
+                # on the gradient's own device (the graph's), never a default one
+                acc[s.name] = b.placeholder(f"acc_grad_{len(acc)}", s.shape, s.dtype,
+                                            grads[s.name].meta["val"].device)
                 record.acc_inputs.append(s.name)
                 record.sources[s.name].append(acc[s.name].name)
 

@@ -62,12 +62,14 @@ class GraphBuilder:
             node.meta[META_KEY] = tag
         return node
 
-    def placeholder(self, name: str, example: torch.Tensor) -> fx.Node:
-        """A new input, placed after the existing ones (callers append the argument)."""
+    def placeholder(self, name: str, shape, dtype: torch.dtype, device: torch.device) -> fx.Node:
+        """A new input, placed after the existing ones (callers append the argument). Its value
+        is made in the graph's fake mode, so any device works (CUDA on a CPU-only machine)."""
         last = [n for n in self.graph.nodes if n.op == "placeholder"]
         with self.graph.inserting_before(last[-1].next if last else None):
             node = self.graph.placeholder(name)
-        node.meta["val"] = self.fake_mode.from_tensor(example, static_shapes=True)
+        with self.fake_mode:
+            node.meta["val"] = torch.empty(shape, dtype=dtype, device=device)
         return node
 
     # ---- ops used by the grad-sync pass ---------------------------------------------
