@@ -41,6 +41,8 @@ class Job:
     labels: str = "full"  # "padded": right padding with ignore_index, some sequences (and a micro-batch) empty
     loss: str = "mean"  # "sum": lm_loss_sum, for average=False
     variant: str = ""  # tiny_gpt only: "untied" (no tie at all), "hidden_tie" (blocks.1.proj = blocks.0.proj too)
+    clip: float = 0.0  # > 0: clip gradients to this global norm before each step
+    param_groups: str = ""  # "decay_matrices": weight decay on >= 2-D parameters only (gradsched.weight_decay_groups)
 
     @property
     def loss_fn(self):
@@ -84,6 +86,24 @@ def optimizer_kwargs(job: Job) -> dict:
     return {"lr": job.lr, "weight_decay": 0.1}
 
 
+def group_options(job: Job):
+    """The job's parameter groups as a function (name, parameter) -> options, or None."""
+    if not job.param_groups:
+        return None
+    if job.param_groups != "decay_matrices":
+        raise ValueError(f"unknown param_groups {job.param_groups!r}")
+    from gradsched.param_groups import weight_decay_groups
+    return weight_decay_groups(optimizer_kwargs(job)["weight_decay"])
+
+
+def torch_groups(job: Job, model) -> list:
+    """The same groups as torch.optim takes them, for the one-process reference."""
+    options = group_options(job)
+    if options is None:
+        return list(model.parameters())
+    return [{"params": [p], **options(n, p)} for n, p in model.named_parameters()]
+
+
 def optimizer_class(job: Job):
     return {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[job.optimizer]
 
@@ -91,20 +111,22 @@ def optimizer_class(job: Job):
 def reference(job: Job) -> dict:
     """Unsplit model, one process: losses per step and every parameter by every name it has."""
     model, _ = build_model(job)
-    opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
-    losses, grads = [], {}
+    opt = optimizer_class(job)(torch_groups(job, model), **optimizer_kwargs(job))
+    losses, grads, norms = [], {}, []
     for step in range(job.steps):
         x, y = batch(job, step)
         loss = job.loss_fn(model(x), y)
         loss.backward()
         if step == 0:  # every name a parameter has, tied names included (one Parameter, one gradient)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        if job.clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip).item())
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     from gradsched.ties import shared_parameters
-    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model),
+    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model), "norms": norms,
             "state_keys": list(model.state_dict())}
 
 
@@ -118,11 +140,12 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=job.loss_fn,
                                   split_points=split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
-    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
+                                         **optimizer_kwargs(job))
     _, dp_idx, cp_idx = plan.coords()
     grads = None
     per_rank = job.global_batch // job.dp
-    losses, times, code = [], [], []
+    losses, times, code, norms = [], [], [], []
     for step in range(job.steps):
         x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
@@ -134,6 +157,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
             loss = model.train_step(x[sl], y[sl])
         if step == 0:
             grads = reduced_gradients(model.grad_sync)
+        if job.clip:
+            norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - t0)
@@ -143,14 +168,14 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     return {
         "state_dict": state, "named_parameters": [n for n, _ in model.named_parameters()],
         "rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "cp_idx": cp_idx,
-        "losses": losses, "step_times": times,
-        "params": {n: p.detach().clone() for n, p in sync.state.params.items()},
+        "losses": losses, "step_times": times, "norms": norms,
+        "params": {n: p.detach().clone() for n, p in sync.params.items()},
         "ties": [t.members for t in sync.ties.values()],
-        "tied_buckets": [sync.layout.locate(name)[0].index for name in sync.ties],
-        "n_buckets": len(sync.layout.buckets),
+        "tied_buckets": [sync.sync_plan.layout.locate(name)[0].index for name in sync.ties],
+        "n_buckets": len(sync.sync_plan.layout.buckets),
         "report": sync.schedule_report(),
-        "verifier": "ok" if all(v.ok for v in sync.state.verdicts) else "hazard",
-        "verdict": "\n".join(map(str, sync.state.verdicts)),
+        "verifier": "ok" if all(v.ok for v in sync.verdicts.values()) else "hazard",
+        "verdict": "\n".join(map(str, sync.verdicts.values())),
         "tied_bytes_per_step": sync.tied_bytes_per_step(),
         "within_module_ties": model.within_module_ties,
         "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls, "flush_seconds": sync.flush_seconds,
@@ -159,7 +184,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
                            if n.op == "call_function"],
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},
         "sync_code": {sg.where: sg.code for sg in sync.sync_graphs()},
-        "grad_group": sync.grad_group()[0].group_name,
+        "grad_group": sync.sync_plan.grad_group.name,
     }
 
 
@@ -187,10 +212,11 @@ def reduced_gradients(sync) -> dict:
     """What this rank holds after a step's gradient sync (a GradSync): its reduced shard of every bucket
     (shard=True) with the layout to read it, or every parameter's .grad (shard=False)."""
     if not sync.options.shard:
-        return {"full": {n: p.grad.detach().clone() for n, p in sync.state.params.items()}}
-    _, ranks, me = sync.grad_group()
-    return {"shards": [r.detach().clone() for r in sync.results], "shard_index": me, "shards_n": len(ranks),
-            "buckets": [(b.numel, [(s.name, s.offset, s.numel) for s in b.slots]) for b in sync.layout.buckets]}
+        return {"full": {n: p.grad.detach().clone() for n, p in sync.params.items()}}
+    plan = sync.sync_plan
+    return {"shards": [r.detach().clone() for r in sync.reduced()], "shard_index": plan.grad_group.index,
+            "shards_n": len(plan.grad_group.ranks),
+            "buckets": [(b.numel, [(s.name, s.offset, s.numel) for s in b.slots]) for b in plan.layout.buckets]}
 
 
 def gradient_error(ref: dict, ranks: list[dict]) -> float:
@@ -246,3 +272,57 @@ def job_dict(job: Job) -> dict:
     d = asdict(job)
     d["config"] = asdict(job.config)
     return d
+
+
+def resume_main(rank: int, world: int, job: Job, save_to: str, load_from: str | None, stop: int,
+                save_every: int = 0) -> dict:
+    """Train `job` from the start, or from the checkpoint at `load_from`, up to step `stop`, then save
+    to `save_to` (every `save_every` steps too). The data position comes back with the checkpoint."""
+    import gradsched
+
+    plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp, cp=job.cp)
+    model, split_points = build_model(job)
+    model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=job.loss_fn,
+                                  split_points=split_points if job.pp > 1 else (), schedule=job.schedule,
+                                  **job.options)
+    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
+                                         **optimizer_kwargs(job))
+    start = gradsched.load(load_from, model, opt)["data_position"] if load_from else 0
+    _, dp_idx, _ = plan.coords()
+    per_rank = job.global_batch // job.dp
+    sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+    losses = []
+    for step in range(start, stop):
+        x, y = batch(job, step)
+        loss = model.train_step(x[sl], y[sl])
+        if job.clip:
+            gradsched.clip_grad_norm_(model, job.clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else float(loss))
+        if save_every and (step + 1) % save_every == 0 and step + 1 < stop:
+            gradsched.save(save_to, model, opt, step=step + 1)
+    gradsched.save(save_to, model, opt, step=stop)
+    return {"start": start, "losses": losses}
+
+
+def checkpoint_contents(path: str) -> dict:
+    """A checkpoint's tensors, whole, read back in this one process by DCP itself (independent of the
+    layout that wrote it)."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from gradsched.checkpoint import checkpoint_dir
+    with tempfile.TemporaryDirectory() as d:
+        out = f"{d}/whole.pt"
+        dcp_to_torch_save(checkpoint_dir(path), out)
+        return torch.load(out, weights_only=False)
+
+
+def max_state_diff(a: dict, b: dict, prefixes=("model/", "optim/")) -> float:
+    """Max |a - b| over the parameters, master weights and optimizer state of two checkpoints (which
+    must hold the same keys)."""
+    keys = sorted(k for k in a if k.startswith(prefixes))
+    assert keys == sorted(k for k in b if k.startswith(prefixes)), set(a) ^ set(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys)

@@ -69,6 +69,7 @@ def _sync_for_backend_by_name(plan, options: dict, params):
     by recompiles. Alone, the backend sees single backward passes, so it takes only what it can
     run right: one stage, every backward ending a step, the reductions inside it."""
     from .runtime import GradSync, sync_of
+    from .stage_setup import setup_stage
     if plan is None:
         raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '
                          "(or use gradsched.parallelize).")
@@ -86,21 +87,22 @@ def _sync_for_backend_by_name(plan, options: dict, params):
         raise ValueError("torch.compile(backend=\"gradsched\") alone cannot run " + "; ".join(refuse) +
                          ". Use gradsched.parallelize(model, plan=..., loss_fn=..., ...) and its train_step, "
                          "which runs the schedule, the micro-batches and the loss for you.")
-    existing = sync_of(params)
-    if existing is not None and existing.plan is plan and existing.options == opts:
+    setup, existing = setup_stage(plan, opts), sync_of(params)
+    if existing is not None and existing.setup == setup and existing.options == opts:
         return existing  # a recompile of the same model
-    return GradSync(plan, opts)
+    return GradSync(setup, opts)
 
 
-def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None):
-    """Dynamo backend entry point (registered as "gradsched")."""
+def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
+                      plan=None):
+    """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
+    in `options`; gradsched.parallelize passes its plan and the stage's GradSync."""
     options = dict(options or {})
-    plan = options.pop("plan", None)
-    grad_sync = options.pop("grad_sync", grad_sync)
+    plan = options.pop("plan", plan)
     params = parameter_inputs(gm, example_inputs)
     if grad_sync is None:
         grad_sync = _sync_for_backend_by_name(plan, options, [p for _, p in params.values()])
-    opts, plan = grad_sync.options, grad_sync.plan
+    opts = grad_sync.options
     compiler = opts.compiler
     if plan.cp > 1:
         lower_attention(gm, example_inputs, plan, opts)

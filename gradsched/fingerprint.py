@@ -67,38 +67,38 @@ def first_difference(a: list, b: list) -> int:
     return min(len(a), len(b))
 
 
-def exchange_and_check(sync, gm: fx.GraphModule, layouts: dict, ties: dict) -> tuple[dict, dict]:
+def exchange_and_check(setup, gm: fx.GraphModule, layouts: dict, ties: dict, params: dict) -> tuple[dict, dict]:
     """Exchange over the gradient group, then the group of each tie in `ties` (name -> Tie: the ties
-    this graph reduces; a graph without any talks to its gradient group only).
+    this graph reduces; a graph without any talks to its gradient group only). `setup` is the
+    stage's StageSetup; `params` its parameters by name (tied copies' shapes are compared).
 
     Returns (tie key -> the other members' layouts, tie key -> {rank: identities of
     the tie group's collectives in that rank's issue order}) for the verifier."""
+    from .stage_setup import process_group
     seqs = sequence(gm)
-    plan = sync.plan
-    pg, ranks, _ = sync.grad_group()
-    groups = [("gradient group", pg, ranks, None, None)]
+    groups = [("gradient group", setup.grad_group, None, None)]
     for name, tie in sorted(ties.items(), key=lambda kv: kv[1].key):
-        tranks, tpg = sync.tie_group_of(tie)
-        groups.append((f"tie group of {tie.key}", tpg, tranks, tie.key, sync.state.params[name]))
+        groups.append((f"tie group of {tie.key}", setup.tie_groups[tie.key], tie.key, params[name]))
     peers: dict[str, list] = {}
     sequences: dict[str, dict] = {}
-    for what, pg, ranks, tie_key, p in groups:
-        mine = {"rank": plan.rank, "seq": seqs.get(pg.group_name, []),
+    me = setup.rank
+    for what, group, tie_key, p in groups:
+        mine = {"rank": me, "seq": seqs.get(group.name, []),
                 "layout": layouts.get(tie_key), "param": (tuple(p.shape), str(p.dtype)) if p is not None else None}
-        got = [None] * len(ranks)
-        dist.all_gather_object(got, mine, group=pg)
+        got = [None] * len(group.ranks)
+        dist.all_gather_object(got, mine, group=process_group(group))
         for other in got:
             if tie_key and other["param"] != mine["param"]:
                 raise CollectiveMismatch(
-                    f"tied copies differ on the {what}: rank {plan.rank} holds shape/dtype {mine['param']}, "
+                    f"tied copies differ on the {what}: rank {me} holds shape/dtype {mine['param']}, "
                     f"rank {other['rank']} holds {other['param']}. Tied copies must have the same shape and "
                     "dtype: check the model split and any dtype casts of one stage.")
-            compare_sequences(what, ranks, plan.rank, mine["seq"], other["rank"], other["seq"])
-            if tie_key and other["rank"] != plan.rank:
+            compare_sequences(what, group.ranks, me, mine["seq"], other["rank"], other["seq"])
+            if tie_key and other["rank"] != me:
                 peers.setdefault(tie_key, []).append(other["layout"])
                 sequences.setdefault(tie_key, {})[other["rank"]] = _tie_keys(other["seq"])
         if tie_key:
-            sequences.setdefault(tie_key, {})[plan.rank] = _tie_keys(mine["seq"])
+            sequences.setdefault(tie_key, {})[me] = _tie_keys(mine["seq"])
     return peers, sequences
 
 

@@ -1,14 +1,15 @@
-"""The distributed optimizer: each data-parallel rank steps any torch.optim optimizer over its shards.
+"""The distributed optimizer: each data-parallel rank steps a torch.optim optimizer over its shards.
 
-The sync graph leaves, per bucket, this rank's reduced gradient shard. The
-optimizer holds an fp32 master copy of the matching parameter shard, steps it
-with the wrapped torch.optim optimizer (elementwise optimizers such as AdamW
-give exactly what they give unsharded), then all-gathers the buckets and
-writes the parameters back. Tied copies receive identical gradients, so they
-stay equal.
+The sync graph leaves, per bucket, this rank's reduced gradient shard. The optimizer
+holds an fp32 master copy of each piece of a parameter that the shard holds
+(gradsched.shards), steps them with the wrapped torch.optim optimizer, one parameter
+group per set of options (gradsched.param_groups), then all-gathers the buckets in the
+parameters' dtype and writes the parameters back. Only elementwise optimizers give on
+pieces what they give on whole tensors, so only those are accepted (ELEMENTWISE).
+Tied copies receive identical gradients and options, so they stay equal.
 
-With shard=False (plain data parallel) the reduced gradients are already in
-.grad and the optimizer is an ordinary one over the full parameters.
+With shard=False (plain data parallel) the reduced gradients are already in .grad and
+the optimizer is an ordinary one over the full parameters, grouped the same way.
 """
 from __future__ import annotations
 
@@ -18,7 +19,18 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .param_groups import options_by_name
+from .shards import owned_pieces
+from .stage_setup import process_group
+
 _SHARDED = weakref.WeakValueDictionary()  # id -> parameter whose gradient only exists as shards
+
+# Their update of an element reads only that element's gradient, state and value: stepping a
+# rank's pieces equals stepping the whole tensors. (Adafactor, LBFGS, SparseAdam, Muon and the
+# like read whole tensors or rows: not on shards.)
+ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
+    "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, n))
 
 
 def mark_sharded(params) -> None:
@@ -47,7 +59,12 @@ def _all_gather(out, x, group):
 
 
 class DistributedOptimizer:
-    def __init__(self, model, optimizer_class, **optimizer_kwargs):
+    """DistributedOptimizer(model, torch.optim.AdamW, lr=..., param_groups=None, ...).
+
+    param_groups: None (one group), a function (name, parameter) -> options, or torch-style
+    groups listing names or Parameters (see gradsched.param_groups)."""
+
+    def __init__(self, model, optimizer_class, param_groups=None, **optimizer_kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):
             n = sum(len(g["params"]) for g in optimizer_class.param_groups)
             raise TypeError(
@@ -55,44 +72,64 @@ class DistributedOptimizer:
                 "parameter tensors; a distributed optimizer steps only this rank's shards, which exist after "
                 "the first backward. Pass the class and its arguments: "
                 f"DistributedOptimizer(model, torch.optim.{type(optimizer_class).__name__}, lr=...).")
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError(f"DistributedOptimizer needs a torch.optim.Optimizer class, got {optimizer_class!r}.")
         self.model = model
-        self.optimizer_class, self.kwargs = optimizer_class, optimizer_kwargs
+        self.optimizer_class, self.kwargs, self.param_groups = optimizer_class, optimizer_kwargs, param_groups
         self.optimizer = None
-        self.shards: list[torch.nn.Parameter] = []
+        self.pieces = []  # this rank's pieces of the parameters (gradsched.shards.Piece), in layout order
+        self.masters: list[torch.nn.Parameter] = []  # their fp32 master copies, in the same order
+        self.restore_from = None  # (checkpoint dir, its metadata): gradsched.load sets it, the build reads it
 
     @property
     def sync(self):
         """The GradSync reducing the model's gradients: a ParallelModel's (built at its first step), or,
         for torch.compile(model, backend="gradsched"), the one the backend attached to its parameters."""
-        from .runtime import sync_of
-        sync = getattr(self.model, "grad_sync", None)
-        if sync is None and not hasattr(self.model, "grad_sync"):
-            sync = sync_of(self.model.parameters())
+        from .runtime import find_sync  # the runtime imports this module
+        sync = find_sync(self.model)
         if sync is None or sync.sync_plan is None:
             raise RuntimeError("DistributedOptimizer.step() before the model's first forward and backward: the "
                                "gradient shards are laid out by the first backward graph.")
         return sync
 
+    def _options(self, sync) -> dict[str, dict]:
+        copies = {}
+        for name, tie in sync.setup.ties.items():
+            copies.setdefault(name, []).extend(n for _, n in tie.members)
+        for names in sync.setup.aliases:
+            for n in names:
+                copies.setdefault(n, []).extend(sorted(names))
+        copies = {n: sorted(set(c) | {n}) for n, c in copies.items()}
+        return options_by_name(self.param_groups, sync.params, copies, unsplit_named_parameters(self.model))
+
     def _build(self):
         sync = self.sync
         plan, params = sync.sync_plan, sync.params
+        options = self._options(sync)
         if not plan.shard:
-            self.optimizer = self.optimizer_class(list(params.values()), **self.kwargs)
+            self.optimizer = self.optimizer_class(_groups(list(params), options, params.__getitem__), **self.kwargs)
+            self._restore(sync)
             return
-        shards, me = len(plan.grad_group.ranks), plan.grad_group.index
-        for b in plan.layout.buckets:
-            flat = self._flat_params(b, params)
-            size = b.shard_numel(shards)
-            self.shards.append(torch.nn.Parameter(flat[me * size:(me + 1) * size].float().clone()))
-        self.optimizer = self.optimizer_class(self.shards, **self.kwargs)
+        if not issubclass(self.optimizer_class, ELEMENTWISE):
+            raise TypeError(
+                f"{self.optimizer_class.__name__} is not an elementwise optimizer: the distributed optimizer steps "
+                "each rank's shard of every parameter on its own, which gives the unsharded result only when an "
+                f"element's update reads nothing but that element ({', '.join(c.__name__ for c in ELEMENTWISE)}). "
+                "Use one of those, or shard=False (plain data parallel: every rank steps whole parameters).")
+        self.pieces = owned_pieces(plan.layout, plan.grad_group.index)
+        self.masters = [torch.nn.Parameter(params[pc.name].detach().reshape(-1)[pc.lo:pc.hi].float().clone())
+                        for pc in self.pieces]
+        self.optimizer = self.optimizer_class(
+            _groups(range(len(self.pieces)), {i: options[pc.name] for i, pc in enumerate(self.pieces)},
+                    self.masters.__getitem__), **self.kwargs)
+        self._restore(sync)
 
-    @staticmethod
-    def _flat_params(b, params) -> torch.Tensor:
-        device = params[b.slots[0].name].device
-        flat = torch.zeros(b.numel, dtype=torch.float32, device=device)
-        for s in b.slots:
-            flat[s.offset:s.offset + s.numel] = params[s.name].detach().reshape(-1).float()
-        return flat
+    def _restore(self, sync) -> None:
+        if self.restore_from is not None:  # a checkpoint was loaded: its masters and state, for this layout
+            from .checkpoint import restore_into
+            where, md = self.restore_from
+            self.restore_from = None
+            restore_into(self, sync, where, md)
 
     @torch.no_grad()
     def step(self):
@@ -102,25 +139,36 @@ class DistributedOptimizer:
         plan = sync.sync_plan
         if not plan.shard:
             self.optimizer.step()
+            sync.clear_results()
             return
-        reduced = sync.results
-        if len(reduced) != len(self.shards):
+        reduced = sync.reduced()
+        if len(reduced) != len(plan.layout.buckets):
             raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
                                "step's backward passes (and flush() under pipeline parallelism) first.")
-        for shard, g in zip(self.shards, reduced):
-            shard.grad = g.float()
+        for pc, master in zip(self.pieces, self.masters):
+            master.grad = reduced[pc.bucket][pc.at:pc.at + pc.numel].float()
         self.optimizer.step()
-        pg = sync.grad_group()[0]
-        params = sync.params
-        for b, shard, dtype in zip(plan.layout.buckets, self.shards, plan.gather_dtypes):
-            # gathered in the plan's dtype (the parameters' own: bf16 is half the bytes of fp32);
-            # the fp32 master shard stays here
-            full = torch.empty(b.numel, dtype=dtype, device=shard.device)
-            _all_gather(full, shard.detach().to(dtype), pg)
+        self._gather(sync)
+        sync.clear_results()
+
+    def _gather(self, sync) -> None:
+        """Write the stepped masters back into every rank's parameters: per bucket, this rank's shard
+        in the plan's gather dtype (the parameters' own: bf16 is half the bytes of fp32), all-gathered."""
+        plan, params = sync.sync_plan, sync.params
+        pg, shards = process_group(plan.grad_group), len(plan.grad_group.ranks)
+        by_bucket = {}
+        for pc, master in zip(self.pieces, self.masters):
+            by_bucket.setdefault(pc.bucket, []).append((pc, master))
+        for b, dtype in zip(plan.layout.buckets, plan.gather_dtypes):
+            device = params[b.slots[0].name].device
+            mine = torch.zeros(b.shard_numel(shards), dtype=dtype, device=device)  # padding stays zero
+            for pc, master in by_bucket.get(b.index, []):
+                mine[pc.at:pc.at + pc.numel] = master.detach().to(dtype)
+            full = torch.empty(b.numel, dtype=dtype, device=device)
+            _all_gather(full, mine, pg)
             for s in b.slots:
                 p = params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))
-        sync.clear_results()
 
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:
@@ -130,3 +178,20 @@ class DistributedOptimizer:
 
     def state_dict(self):
         return self.optimizer.state_dict() if self.optimizer else {}
+
+
+def _groups(keys, options: dict, tensor_of) -> list[dict]:
+    """torch.optim param groups: one per distinct set of options, in first-use order."""
+    groups: dict[str, dict] = {}
+    for k in keys:
+        opts = options[k]
+        g = groups.setdefault(repr(sorted(opts.items())), {**opts, "params": []})
+        g["params"].append(tensor_of(k))
+    return list(groups.values())
+
+
+def unsplit_named_parameters(model) -> list:
+    """The unsplit model's parameters under every name (ties included), as the user built it."""
+    inner = getattr(model, "model", None)  # a ParallelModel keeps the unsplit model
+    module = inner if isinstance(inner, torch.nn.Module) else model
+    return list(module.named_parameters(remove_duplicate=False))

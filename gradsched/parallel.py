@@ -24,6 +24,7 @@ from .backend import gradsched_backend
 from .options import SyncOptions
 from .plan import ParallelPlan
 from .runtime import GradSync
+from .stage_setup import setup_stage
 from .ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from .user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
 
@@ -59,11 +60,12 @@ class ParallelModel:
 
     def _build(self, ties, stage_module):
         self.ties = ties
-        self.grad_sync = GradSync(self.plan, self.options, ties, aliases=self.within_module_ties)
-        self.grad_sync.explicit_steps = True  # train_step marks each step's last micro-batch
+        setup = setup_stage(self.plan, self.options, ties, aliases=self.within_module_ties)
+        self.grad_sync = GradSync(setup, self.options, explicit_steps=True)  # train_step marks each step's last micro-batch
         self.stage_module = stage_module
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
-                                    backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync))
+                                    backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync,
+                                                                      plan=self.plan))
 
     def _shard_sequence(self, inputs, targets):
         """Model inputs as a tuple; under context parallelism, this rank's slice of the sequence.

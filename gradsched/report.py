@@ -23,20 +23,16 @@ def tied_bytes(gm: fx.GraphModule) -> int:
     return sum(r["bytes"] for r in collectives(gm) if r["role"].startswith("tie"))
 
 
-def schedule_report(sync) -> str:
-    st = sync._require_state()
-    plan, opts = sync.plan, sync.options
-    pg, ranks, _ = sync.grad_group()
-    names = {pg.group_name: f"grad{list(ranks)}"}
-    for t in sync.ties.values():
-        tranks, tpg = sync.tie_group_of(t)
-        names[tpg.group_name] = f"tie{list(tranks)}"
-    out = [f"== {plan.describe()} stage {sync.stage}: mode={opts.mode} shard={opts.shard} "
-           f"placement={sync.placement} microbatches={opts.microbatches} sync plan {sync.sync_plan.fingerprint()}"]
-    for b in st.layout.buckets:
+def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
+    """setup: the stage's StageSetup; plan: its SyncPlan; graphs: its built SyncGraphs in run order;
+    verdicts: graph -> the verifier's verdict, for the graphs checked so far."""
+    names = {plan.grad_group.name: f"grad{list(plan.grad_group.ranks)}"}
+    names.update({g.name: f"tie{list(g.ranks)}" for g in plan.tie_groups.values()})
+    out = [f"== {setup.where} stage {setup.stage}: mode={opts.mode} shard={opts.shard} "
+           f"placement={plan.placement} microbatches={opts.microbatches} sync plan {plan.fingerprint()}"]
+    for b in plan.layout.buckets:
         slots = ", ".join(f"{s.name}@{s.offset}+{s.numel}" + (" (tied)" if s.tie else "") for s in b.slots)
         out.append(f"   bucket {b.index}: {b.numel} x {str(b.dtype).replace('torch.', '')} [{slots}]")
-    graphs = sync.sync_graphs()
     if not graphs:
         return "\n".join(out + ["   (sync graph not built yet)"])
     for sg in graphs:
@@ -49,13 +45,15 @@ def schedule_report(sync) -> str:
                 what += f" elements {tuple(r['elements'])}"
             out.append(f"   #{i} {r['op']:<14} {names.get(r['group'], r['group']):<16} {r['dtype']:<8} "
                        f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
-    if opts.shard:
-        for b, dtype in zip(st.layout.buckets, sync.sync_plan.gather_dtypes):
+    if plan.shard:
+        grad = names[plan.grad_group.name]
+        for b, dtype in zip(plan.layout.buckets, plan.gather_dtypes):
             dtype = str(dtype).replace("torch.", "")
-            out.append(f"   after step: all_gather   {names[pg.group_name]:<16} {dtype:<8} bucket {b.index} params "
+            out.append(f"   after step: all_gather   {grad:<16} {dtype:<8} bucket {b.index} params "
                        f"({b.numel} elements)")
     for sg in graphs:
-        if sg.verdict is not None:
-            out.append(f"   verifier ({sg.where} graph): " + ("ok" if sg.verdict.ok else "HAZARD"))
-            out += [f"     {line}" for line in sg.verdict.proofs + sg.verdict.hazards]
+        verdict = verdicts.get(sg.where)
+        if verdict is not None:
+            out.append(f"   verifier ({sg.where} graph): " + ("ok" if verdict.ok else "HAZARD"))
+            out += [f"     {line}" for line in verdict.proofs + verdict.hazards]
     return "\n".join(out)

@@ -11,7 +11,7 @@ Given the stage's SyncPlan (buckets and placement, from `plan_sync`):
 
 Each returns the graph and the pass's SyncRecord, which says how to feed and read it. The
 verifier runs later, before the graph's first collective, when the other ranks' layouts are
-known (gradsched.runtime). `GRADSCHED_PRINT_GRAPHS=1` prints the graphs before and after.
+known (gradsched.preflight). `GRADSCHED_PRINT_GRAPHS=1` prints the graphs before and after.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """gradsched's FX passes: pure graph-to-graph functions, composed in one visible pipeline.
 
-The gradient-sync pipeline, run by `gradsched.runtime` on each stage's graph (steps 2 and 2b
-through `gradsched.sync_plan.plan_sync`, whose SyncPlan is the plain-data result the later
-steps and the optimizer are handed):
+The gradient-sync pipeline, run on each stage's backward graph by `gradsched.stage_build`
+(steps 2 and 2b through `gradsched.sync_plan.plan_sync`, whose SyncPlan is the plain-data
+result the later steps and the optimizer are handed; step 4 by `gradsched.preflight`, before a
+graph's first collective; `gradsched.runtime` only runs the graphs):
 
   1. grad_ready_order   (grad_ready_order.py)  read the order gradients become ready
   2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized, the

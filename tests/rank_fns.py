@@ -70,7 +70,7 @@ def decorated_class(rank, world, job: Job):
         opt.step()
     sync = model.grad_sync
     return {"rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "ties": [t.members for t in sync.ties.values()],
-            "params": {n: p.detach().clone() for n, p in sync.state.params.items()}}
+            "params": {n: p.detach().clone() for n, p in sync.params.items()}}
 
 
 class HandWrittenAttention(torch.nn.Module):
@@ -127,14 +127,11 @@ def bf16_parameters_gathered_in_bf16(rank, world):
     model.train_step(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
     opt.step()
     exact = True
-    st, me = model.grad_sync.state, model.grad_sync.grad_group()[2]
-    for b, shard in zip(st.layout.buckets, opt.shards):
-        size = b.shard_numel(world)
-        for s in b.slots:
-            lo, hi = max(s.offset, me * size), min(s.offset + s.numel, (me + 1) * size)
-            if lo < hi:
-                mine = st.params[s.name].detach().reshape(-1)[lo - s.offset:hi - s.offset]
-                exact &= torch.equal(mine, shard.detach()[lo - me * size:hi - me * size].to(torch.bfloat16))
+    sync = model.grad_sync
+    for pc, master in zip(opt.pieces, opt.masters):  # each piece of this rank's shards, from its fp32 master
+        mine = sync.params[pc.name].detach().reshape(-1)[pc.lo:pc.hi]
+        exact &= torch.equal(mine, master.detach().to(torch.bfloat16))
+    exact &= bool(opt.pieces)
     return {"gathers": seen, "exact": exact}
 
 
@@ -202,3 +199,76 @@ def flash_attn_model_under_cp(rank, world):
         return f"{type(e).__name__}: {e}"
     return None
 
+
+
+def batch_not_splitting_into_microbatches(rank, world):
+    plan = gradsched.ParallelPlan.from_world()
+    model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, microbatches=3, compiler="eager")
+    x = torch.zeros(4, 16, dtype=torch.long)
+    return _message(lambda: model.train_step(x, x))
+
+
+def zero_loss(logits, targets):
+    return (logits * 0).sum()
+
+
+def decay_free_step(rank, world):
+    """One AdamW step on exactly zero gradients (lr=1, weight_decay=0.5): a parameter moves only by its
+    decay, so matrices are exactly halved and decay-free parameters are exactly unchanged."""
+    plan = gradsched.ParallelPlan.from_world(pp=2)
+    torch.manual_seed(0)
+    model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=zero_loss, split_points=["blocks.1"],
+                                  compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1.0,
+                                         param_groups=gradsched.weight_decay_groups(0.5))
+    x, y = make_batch(4, TinyGPT().config)
+    _, dp_idx, _ = plan.coords()
+    model.train_step(x[dp_idx * 2:(dp_idx + 1) * 2], y[dp_idx * 2:(dp_idx + 1) * 2])
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt.step()
+    return {n: (before[n], p.detach().clone()) for n, p in model.named_parameters()}
+
+
+def non_elementwise_optimizer(rank, world):
+    plan = gradsched.ParallelPlan.from_world()
+    model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.Adafactor, lr=1e-2)
+    model.train_step(*make_batch(2, TinyGPT().config))
+    return _message(opt.step)
+
+
+def save_then_die_mid_save(rank, world, path):
+    """Save step 1, then die on rank 1 while the save of step 2 writes its data."""
+    import os
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    plan = gradsched.ParallelPlan.from_world(pp=2)
+    torch.manual_seed(0)
+    model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = make_batch(4, TinyGPT().config)
+    _, dp_idx, _ = plan.coords()
+    for step in (1, 2):
+        model.train_step(x[dp_idx * 2:(dp_idx + 1) * 2], y[dp_idx * 2:(dp_idx + 1) * 2])
+        opt.step()
+        if step == 2 and rank == 1:
+            write = FileSystemWriter.write_data
+
+            def die_while_writing(self, plan, planner):
+                os._exit(3)
+            FileSystemWriter.write_data = die_while_writing
+        gradsched.save(path, model, opt, step=step)
+        if step == 2:
+            FileSystemWriter.write_data = write
+    return "saved both"
+
+
+def load_message(rank, world, path, vocab):
+    """What gradsched.load says of the checkpoint at `path` for a TinyGPT of this vocabulary."""
+    from tiny_gpt import GPTConfig
+    plan = gradsched.ParallelPlan.from_world()
+    model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=vocab)), plan=plan, loss_fn=lm_loss, compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    try:
+        return {"ok": gradsched.load(path, model, opt)}
+    except gradsched.CheckpointError as e:
+        return {"error": str(e)}

@@ -53,10 +53,14 @@ def test_a_pipeline_without_split_points_is_refused():
 
 
 def test_a_batch_that_does_not_split_into_microbatches_is_refused():
-    model = gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(), loss_fn=lm_loss, microbatches=3)
-    x = torch.zeros(4, 16, dtype=torch.long)
-    with pytest.raises(ValueError, match="batch of 4 does not split into microbatches=3"):
-        model.train_step(x, x)
+    from rank_fns import batch_not_splitting_into_microbatches
+    [message] = run_ranks(batch_not_splitting_into_microbatches, 1)
+    assert "ValueError: batch of 4 does not split into microbatches=3" in message
+
+
+def test_a_plan_built_without_process_groups_is_refused_when_the_model_is_parallelized():
+    with pytest.raises(gradsched.PlanError, match="no process groups.*from_world"):
+        gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(), loss_fn=lm_loss)
 
 
 

@@ -1,10 +1,26 @@
-"""The distributed optimizer: fp32 master shards on their owners, parameters gathered in their own dtype."""
+"""The distributed optimizer: fp32 master shards on their owners, parameters gathered in their own dtype,
+parameter groups by name, elementwise optimizers only."""
 from gradsched.launch import run_ranks
 
-from rank_fns import bf16_parameters_gathered_in_bf16
+from rank_fns import bf16_parameters_gathered_in_bf16, decay_free_step, non_elementwise_optimizer
 
 
 def test_bf16_parameters_are_all_gathered_in_bf16_from_their_fp32_master_shards():
     for r in run_ranks(bf16_parameters_gathered_in_bf16, 2):
         assert r["gathers"] and all(g == ("torch.bfloat16", "torch.bfloat16") for g in r["gathers"])
         assert r["exact"]
+
+
+def test_decay_free_parameters_are_exactly_untouched_by_weight_decay_and_matrices_exactly_decayed():
+    checked = 0
+    for params in run_ranks(decay_free_step, 4):
+        for name, (before, after) in params.items():
+            want = before * 0.5 if before.dim() >= 2 else before  # exact: halving is exact in fp32
+            assert after.equal(want), name
+            checked += before.dim() == 1
+    assert checked  # biases and norm weights were among them
+
+
+def test_an_optimizer_that_is_not_elementwise_is_refused_on_shards():
+    [message] = run_ranks(non_elementwise_optimizer, 1)
+    assert message.startswith("TypeError: Adafactor is not an elementwise optimizer") and "shard=False" in message

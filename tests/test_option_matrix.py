@@ -22,10 +22,14 @@ GRAD_TOL = 1e-5  # relative to the largest gradient; fp32 summation order differ
 TOL = 1e-5
 
 
-def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, **options):
-    return Job(pp=pp, dp=dp, cp=cp, steps=2, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
+def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
+        param_groups="", **options):
+    return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                config=GPTConfig(vocab=vocab), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
-               options={"compiler": "eager", **options})
+               clip=clip, param_groups=param_groups, options={"compiler": "eager", **options})
+
+
+CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the clipping acts
 
 
 CASES = {
@@ -58,6 +62,14 @@ CASES = {
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
     # checks off, graphs dumped
     "pp2_dp2_no_rank_check_dumped": job(2, 2, check_ranks=False, dump_dir="/tmp/gradsched-matrix-dump"),
+    # clipping by the global norm (ties counted once, shards summed), and parameter groups
+    "pp2_dp2_clip_small_padded_buckets": job(2, 2, vocab=97, bucket_mb=0.004, clip=CLIP, microbatches=2),
+    "pp2_dp2_two_ties_clip_shard_aligned": job(2, 2, variant="hidden_tie", mode="shard_aligned", clip=CLIP),
+    "pp2_dp2_all_reduce_clip": job(2, 2, shard=False, clip=CLIP),
+    "dp2_cp2_clip": job(1, 2, 2, clip=CLIP),
+    "pp2_dp2_param_groups_adamw": job(2, 2, optimizer="adamw", param_groups="decay_matrices", steps=3),
+    "pp1_dp4_param_groups_all_reduce": job(1, 4, optimizer="adamw", param_groups="decay_matrices", steps=3,
+                                           shard=False),
 }
 
 INDUCTOR = {  # the default compiler end to end: flush graph, backward sync variant, padding, CP
@@ -65,6 +77,8 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
     "inductor_pp2_cp2_m2": job(2, 1, 2, microbatches=2, compiler="inductor"),
     "inductor_dp2_cp2_all_reduce": job(1, 2, 2, shard=False, compiler="inductor"),
+    "inductor_pp2_dp2_clip_param_groups": job(2, 2, optimizer="adamw", param_groups="decay_matrices", clip=CLIP,
+                                              compiler="inductor"),
 }
 
 
@@ -104,6 +118,11 @@ def assert_like_one_process(job_, ranks):
         if r["losses"][0] is not None:  # the last stage: the global batch's loss, on every rank
             for got, want in zip(r["losses"], ref["losses"]):
                 assert abs(got - want) <= 1e-6 * abs(want), (got, want)
+    if job_.clip:  # every rank returns the global norm one process computes, before clipping
+        assert min(ref["norms"]) > job_.clip
+        for r in ranks:
+            assert all(abs(got - want) <= 1e-6 * want for got, want in zip(r["norms"], ref["norms"])), \
+                (r["norms"], ref["norms"])
     assert all(r["verifier"] == "ok" for r in ranks)
     assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
     for r in ranks:

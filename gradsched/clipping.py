@@ -1,0 +1,76 @@
+"""Gradient clipping by the global norm, as one process would compute it.
+
+After a step's sync, a rank holds its shard of every bucket (shard=True) or every
+reduced gradient whole (shard=False). The global norm counts every gradient once:
+  - shards: each rank sums the squares of what its shards hold (padding is zero), and the
+    sum over all ranks of the plan covers each stage's gradients once;
+  - whole gradients: only the first rank of each gradient group counts its stage's;
+  - a tied weight has a copy, holding the summed gradient, on every stage of its tie: only
+    the tie's first stage counts it.
+The norm is then scaled into the reduced gradients in place, the same factor on every rank,
+so tied copies stay equal. Call it after `train_step` (the flush included), before the
+optimizer's step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .runtime import find_sync
+from .shards import owned_pieces
+from .stage_setup import process_group
+
+
+def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
+    """Scale this step's reduced gradients so their global norm is at most max_norm; return the
+    norm before clipping (a float32 tensor, equal on every rank), as torch.nn.utils.clip_grad_norm_."""
+    sync = find_sync(model)
+    if sync is None or sync.sync_plan is None:
+        raise RuntimeError("clip_grad_norm_ before the model's first step: run train_step (or a forward and "
+                           "backward) first, then clip, then step the optimizer.")
+    if norm_type not in (2.0, math.inf):
+        raise ValueError(f"norm_type={norm_type}: gradsched clips by the 2-norm or the inf-norm.")
+    plan, setup = sync.sync_plan, sync.setup
+    counted = {n for n in sync.params if n not in setup.ties or min(setup.ties[n].stages) == setup.stage}
+    grads = _this_steps_gradients(sync, plan, counted)
+    device = next(iter(sync.params.values())).device
+    if norm_type == 2.0:
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            local += g.double().pow(2).sum()
+        op = dist.ReduceOp.SUM
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for g in grads:
+            local = torch.maximum(local, g.double().abs().max()) if g.numel() else local
+        op = dist.ReduceOp.MAX
+    if len(setup.all_ranks.ranks) > 1:
+        dist.all_reduce(local, op=op, group=process_group(setup.all_ranks))
+    total = (local.sqrt() if norm_type == 2.0 else local).float()
+    coef = torch.clamp(max_norm / (total + eps), max=1.0)
+    for g in _scaled_tensors(sync, plan):
+        g.mul_(coef.to(g.dtype))
+    return total
+
+
+def _this_steps_gradients(sync, plan, counted: set) -> list[torch.Tensor]:
+    """The tensors whose squares this rank adds to the global norm."""
+    reduced = sync.reduced()  # shards, or whole buckets with shard=False
+    if len(reduced) != len(plan.layout.buckets):
+        raise RuntimeError("clip_grad_norm_ before this step's gradients were reduced: call it after "
+                           "train_step (under pp > 1 the flush reduces the tied buckets at its end), before "
+                           "the optimizer's step.")
+    if plan.shard:
+        return [reduced[pc.bucket][pc.at:pc.at + pc.numel]
+                for pc in owned_pieces(plan.layout, plan.grad_group.index) if pc.name in counted]
+    if plan.grad_group.index != 0:  # every rank of the group holds the same reduced gradients
+        return []
+    return [sync.params[n].grad for n in sorted(counted) if sync.params[n].grad is not None]
+
+
+def _scaled_tensors(sync, plan) -> list[torch.Tensor]:
+    if plan.shard:
+        return sync.reduced()
+    return [p.grad for p in sync.params.values() if p.grad is not None]

@@ -1,0 +1,114 @@
+"""Build one stage's gradient sync at compile time: plan, passes, compiled graphs.
+
+    build_stage(bw_gm, ...)        from the stage's AOT backward graph, in order:
+      grad_ready_order               the order its gradients become ready
+      check_backward_graph           refusals that need no other rank (gradsched.preflight)
+      plan_sync                      the SyncPlan: buckets, groups, which graph reduces each
+      compile the plain backward     earlier micro-batches: autograd accumulates in .grad
+      backward_sync_graph            the last micro-batch's backward with its reductions
+                                     (gradsched.sync_graphs: insert_grad_sync, sink_waits)
+      flush_sync_graph               the reductions that wait for the schedule to drain
+
+Returns a BuiltStage: plain data and compiled callables, which the executor
+(gradsched.runtime.GradSync) runs and nothing else builds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from gradsched.passes import GradSpec, grad_ready_order
+from gradsched.passes.bucketing import BucketLayout
+from gradsched.passes.grad_sync import SyncRecord
+
+from .compile import compile_graph
+from .options import SyncOptions
+from .preflight import check_backward_graph
+from .stage_setup import StageSetup
+from .sync_graphs import backward_sync_graph, flush_sync_graph
+from .sync_plan import SyncPlan, plan_sync
+
+
+@dataclass
+class SyncGraph:
+    """One compiled graph reducing some of a stage's buckets."""
+    where: str  # "backward" (the last micro-batch's backward graph) or "flush"
+    layout: BucketLayout  # the buckets it reduces, with their indices in the stage's layout
+    gm: fx.GraphModule  # the graph gradsched built and verifies (Inductor compiles a copy)
+    record: SyncRecord  # how to feed it and read its results
+    fn: object  # boxed callable
+    inputs: tuple = ()  # flush graph: the gradients it takes, in order
+
+    @property
+    def code(self) -> str | None:
+        """Inductor's output code for this graph (None under compiler='eager')."""
+        return getattr(self.fn, "source_code", None)
+
+
+@dataclass
+class BuiltStage:
+    plan: SyncPlan
+    params: dict  # name -> the stage's trained Parameter
+    plain: object  # the unchanged backward, compiled (micro-batches before the last)
+    graphs: dict  # "backward" and/or "flush" -> SyncGraph, as the plan places buckets
+
+
+def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
+                params: dict[str, torch.nn.Parameter], setup: StageSetup, options: SyncOptions,
+                first: BuiltStage | None = None) -> BuiltStage:
+    """`grad_names`: backward output index -> parameter name; `first`: the stage's earlier build
+    (a recompile must train the same parameters)."""
+    ready = grad_ready_order(bw_gm, grad_names)
+    check_backward_graph(setup, ready, list(first.plan.ready) if first else None)
+    plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement=setup.placement,
+                     grad_group=setup.grad_group, tie_groups=setup.tie_groups,
+                     ties={n: t.key for n, t in setup.ties.items()},
+                     param_dtypes={n: p.dtype for n, p in params.items()})
+    graphs = {}
+    if "backward" in plan.graphs:
+        graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options)
+    if "flush" in plan.graphs:
+        graphs["flush"] = _flush_graph(plan, params, options)
+    return BuiltStage(plan, params, compile_graph(bw_gm, example_inputs, options.compiler), graphs)
+
+
+def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
+    gm, record = backward_sync_graph(bw_gm, plan, accumulate=options.microbatches > 1)
+    extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
+             for n in record.acc_inputs]
+    fake = detect_fake_mode(example_inputs)
+    if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
+        extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
+    fn = compile_graph(gm, list(example_inputs) + extra, options.compiler, comm_overlap=True)
+    return SyncGraph("backward", plan.graphs["backward"], gm, record, fn)
+
+
+def _flush_graph(plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
+    ready = plan.flush_inputs()
+    device = params[ready[0].name].device  # the gradients live where their parameters do
+    gm, record = flush_sync_graph(plan, device)
+    examples = [torch.zeros(r.shape, dtype=r.dtype, device=device) for r in ready]
+    fn = CompiledOnFirstCall(lambda: compile_graph(gm, examples, options.compiler))
+    return SyncGraph("flush", plan.graphs["flush"], gm, record, fn, tuple(r.name for r in ready))
+
+
+class CompiledOnFirstCall:
+    """A boxed callable compiled when first called. The flush graph is built while AOTAutograd
+    compiles the backward graph, and Inductor would take that compilation's fake mode (whose
+    tensors are not the flush graph's) if it compiled the flush graph there."""
+    _boxed_call = True
+
+    def __init__(self, compile):
+        self._compile, self._fn = compile, None
+
+    def __call__(self, args):
+        if self._fn is None:
+            self._fn = self._compile()
+        return self._fn(args)
+
+    @property
+    def source_code(self):
+        return getattr(self._fn, "source_code", None)
