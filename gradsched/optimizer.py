@@ -132,9 +132,14 @@ class DistributedOptimizer:
             restore_into(self, sync, where, md)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, lr_scale: float | None = None):
+        """One optimizer step over this step's reduced gradients. lr_scale: a schedule's factor on every
+        group's learning rate (the rate it was built with), e.g. warmup and cosine decay."""
         if self.optimizer is None:
             self._build()
+        if lr_scale is not None:
+            for g in self.optimizer.param_groups:
+                g["lr"] = g.setdefault("base_lr", g["lr"]) * lr_scale
         sync = self.sync
         plan = sync.sync_plan
         if not plan.shard:
