@@ -19,7 +19,7 @@ demo: $(VENV)/.installed
 	OMP_NUM_THREADS=1 $(PY) examples/demo.py
 
 test: $(VENV)/.installed
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=12 tests
 
 # On a CUDA machine, with its own CUDA torch (no venv: the pinned CPU wheel has no CUDA).
 # The editable install maps gradsched.passes to passes/ (no network needed: no build isolation).

@@ -28,19 +28,31 @@ only then is the layout known; the model's parameters are read at once.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .optimizer import unsplit_named_parameters
+from .optimizer import unsplit_module, unsplit_named_parameters
 from .runtime import find_sync
 from .shards import owned_pieces
 from .stage_setup import process_group
 
 LATEST = "latest"
+
+
+@contextlib.contextmanager
+def _pieces_api():
+    """DCP declares uneven pieces of a tensor through ShardedTensor, which torch deprecates in favour
+    of DTensor; DTensor's shards sit at fixed, even positions, which bucket pieces do not. Its
+    FutureWarning says nothing a user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor", category=FutureWarning)
+        yield
 
 
 class CheckpointError(RuntimeError):
@@ -60,18 +72,17 @@ def canonical_names(model) -> dict[str, str]:
 
 def _trained_module(model):
     """The module whose tensors this rank trains: its stage (under pp > 1, once built), else the model."""
-    if getattr(model, "module", None) is not None and hasattr(model, "stage_module"):
+    from .parallel import ParallelModel
+    if isinstance(model, ParallelModel) and model.module is not None:
         return model.stage_module
-    inner = getattr(model, "model", None)
-    if isinstance(inner, torch.nn.Module):
-        return inner
-    return getattr(model, "_orig_mod", model)
+    return unsplit_module(model)
 
 
 def _skipped(model) -> set[str]:
     """Names this rank holds but does not own: the stale copies pipelining's split leaves, and tied
     copies whose tie begins on another stage (that stage writes them)."""
-    skip = set(model._stale_names()) if hasattr(model, "_stale_names") and model.module is not None else set()
+    from .parallel import ParallelModel
+    skip = set(model._stale_names()) if isinstance(model, ParallelModel) and model.module is not None else set()
     sync = find_sync(model)
     if sync is not None:
         skip |= {n for n, t in sync.setup.ties.items() if min(t.stages) != sync.setup.stage}
@@ -178,12 +189,14 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step
     dist.barrier()
     state = {f"model/{k}": v.detach() for k, v in _model_tensors(model).items()}
-    state.update(_optimizer_entries(model, optimizer))
-    state["meta/step"] = torch.tensor(step, dtype=torch.int64)
-    state["meta/data_position"] = torch.tensor(step if data_position is None else data_position, dtype=torch.int64)
+    state["meta/step"] = torch.tensor(step, dtype=torch.int64, device="cpu")
+    state["meta/data_position"] = torch.tensor(step if data_position is None else data_position, dtype=torch.int64,
+                                                 device="cpu")
     if optimizer is not None:
         state["meta/optimizer"] = _encode(optimizer.optimizer_class.__name__)
-    dcp.save(state, checkpoint_id=partial)
+    with _pieces_api():
+        state.update(_optimizer_entries(model, optimizer))
+        dcp.save(state, checkpoint_id=partial)
     dist.barrier()  # every rank has written its pieces, and rank 0 the metadata
     if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
@@ -199,7 +212,7 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
 
 
 def _encode(s: str) -> torch.Tensor:
-    return torch.tensor(list(s.encode()), dtype=torch.uint8)
+    return torch.tensor(list(s.encode()), dtype=torch.uint8, device="cpu")  # host metadata
 
 
 def _decode(t: torch.Tensor) -> str:
@@ -237,8 +250,8 @@ def load(path: str, model, optimizer=None) -> dict:
             raise CheckpointError(f"the checkpoint at {where!r} holds the state of {saved}, but the optimizer is "
                                   f"{optimizer.optimizer_class.__name__}: load it into the same optimizer class.")
     state = {f"model/{k}": torch.empty_like(v.detach()) for k, v in mine.items()}
-    state["meta/step"] = torch.zeros((), dtype=torch.int64)
-    state["meta/data_position"] = torch.zeros((), dtype=torch.int64)
+    state["meta/step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # host metadata
+    state["meta/data_position"] = torch.zeros((), dtype=torch.int64, device="cpu")
     dcp.load(state, checkpoint_id=where)
     with torch.no_grad():
         for k, v in mine.items():
@@ -252,7 +265,7 @@ def load(path: str, model, optimizer=None) -> dict:
 def _read_bytes(where, md, key) -> str | None:
     if key not in md:
         return None
-    t = torch.zeros(md[key].size, dtype=torch.uint8)
+    t = torch.zeros(md[key].size, dtype=torch.uint8, device="cpu")
     dcp.load({key: t}, checkpoint_id=where, no_dist=True)
     return _decode(t)
 
@@ -280,9 +293,7 @@ def _check_model(where: str, md, mine: dict, model) -> None:
 def _trained_module_names_all(model) -> dict[str, torch.Tensor]:
     """Every name the whole unsplit model saves under (every stage's), with its tensor."""
     canon = canonical_names(model)
-    inner = getattr(model, "model", None)
-    module = inner if isinstance(inner, torch.nn.Module) else getattr(model, "_orig_mod", model)
-    return {canon.get(k, k): v for k, v in module.state_dict(keep_vars=True).items()}
+    return {canon.get(k, k): v for k, v in unsplit_module(model).state_dict(keep_vars=True).items()}
 
 
 def restore_into(optimizer, sync, where: str, md) -> None:
@@ -307,7 +318,8 @@ def restore_into(optimizer, sync, where: str, md) -> None:
                 m = md[f"optim/{key}/{state}"]
                 if len(m.size) == 0:  # scalar state: read by the ranks that step a piece of it
                     if mine:
-                        request[f"optim/{key}/{state}"] = torch.zeros((), dtype=m.properties.dtype)
+                        request[f"optim/{key}/{state}"] = torch.zeros((), dtype=m.properties.dtype,
+                                                                      device=_scalar_device(optimizer, device))
                     continue
                 request[f"optim/{key}/{state}"] = _sharded(
                     numel, everyone[name],
@@ -319,7 +331,8 @@ def restore_into(optimizer, sync, where: str, md) -> None:
             for state in saved[key]:
                 m = md[f"optim/{key}/{state}"]
                 request[f"optim/{key}/{state}"] = torch.zeros(m.size, dtype=m.properties.dtype, device=p.device)
-    dcp.load(request, checkpoint_id=where)
+    with _pieces_api():
+        dcp.load(request, checkpoint_id=where)
     got = {k: (_local_pieces(v) if hasattr(v, "local_shards") else v) for k, v in request.items()}
     with torch.no_grad():
         if plan.shard:
@@ -336,6 +349,13 @@ def restore_into(optimizer, sync, where: str, md) -> None:
                 optimizer.optimizer.state[p] = {
                     s: (v.view(p.shape) if v.dim() else v).clone()
                     for s in saved[key] if s != "master" for v in [got[f"optim/{key}/{s}"]]}
+
+
+def _scalar_device(optimizer, device):
+    """Where torch keeps a scalar state such as Adam's step: on the parameters' device when the
+    optimizer is capturable or fused, else on the host."""
+    d = optimizer.optimizer.defaults
+    return device if d.get("capturable") or d.get("fused") else torch.device("cpu")
 
 
 def _local_pieces(st) -> dict:

@@ -195,8 +195,15 @@ def _groups(keys, options: dict, tensor_of) -> list[dict]:
     return list(groups.values())
 
 
+def unsplit_module(model) -> torch.nn.Module:
+    """The model as the user built it: a ParallelModel's unsplit model, a torch.compile'd model's
+    original module, or the module itself."""
+    from .parallel import ParallelModel  # parallel imports the runtime, which imports this module
+    if isinstance(model, ParallelModel):
+        return model.model
+    return getattr(model, "_orig_mod", model)
+
+
 def unsplit_named_parameters(model) -> list:
     """The unsplit model's parameters under every name (ties included), as the user built it."""
-    inner = getattr(model, "model", None)  # a ParallelModel keeps the unsplit model
-    module = inner if isinstance(inner, torch.nn.Module) else model
-    return list(module.named_parameters(remove_duplicate=False))
+    return list(unsplit_module(model).named_parameters(remove_duplicate=False))

@@ -128,11 +128,11 @@ class Synthetic:
         rows = []
         for i in range(step * size, (step + 1) * size):
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-            a, c, t = (int(x) for x in torch.randint(1, self.vocab, (3,), generator=g))
+            a, c, t = (int(x) for x in torch.randint(1, self.vocab, (3,), generator=g, device="cpu"))
             seq = [t]
             for _ in range(self.seq):
                 seq.append((a * seq[-1] + c) % self.vocab)
-            rows.append(torch.tensor(seq))
+            rows.append(torch.tensor(seq, device="cpu"))  # host data; the step moves it
         w = torch.stack(rows)
         return w[:, :-1], w[:, 1:]
 
@@ -207,8 +207,9 @@ def main(argv=None) -> int:
     model, layers = build_model(args.model, args.seed)
     vocab = model.model.config.vocab_size
     data = TokenFile(args.data, args.ids, args.seq, vocab) if args.data else Synthetic(args.seq, vocab, args.seed)
-    if args.dtype == "bfloat16":
-        model = model.to(torch.bfloat16)
+    # from_world has set this process's GPU from LOCAL_RANK under NCCL
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    model = model.to(device=device, dtype=getattr(torch, args.dtype))
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
                                   split_points=split_points(model, layers, args.pp),
                                   microbatches=args.microbatches, compiler=args.compiler,
@@ -226,7 +227,7 @@ def main(argv=None) -> int:
               f"pp={plan.pp} dp={plan.dp} cp={plan.cp}, steps {start + 1}..{args.steps}", flush=True)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        x, y = data.batch(step, args.batch)
+        x, y = (t.to(device) for t in data.batch(step, args.batch))
         scale = lr_scale(step, args.warmup, args.steps, args.min_lr_ratio)
         loss = model.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
         norm = gradsched.clip_grad_norm_(model, args.clip) if args.clip else None

@@ -238,37 +238,46 @@ def non_elementwise_optimizer(rank, world):
 
 
 def save_then_die_mid_save(rank, world, path):
-    """Save step 1, then die on rank 1 while the save of step 2 writes its data."""
+    """pp2: save step 1, then die on rank 1 while the save of step 2 writes its data."""
     import os
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     plan = gradsched.ParallelPlan.from_world(pp=2)
     torch.manual_seed(0)
     model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], compiler="eager")
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    x, y = make_batch(4, TinyGPT().config)
-    _, dp_idx, _ = plan.coords()
+    x, y = make_batch(2, TinyGPT().config)
     for step in (1, 2):
-        model.train_step(x[dp_idx * 2:(dp_idx + 1) * 2], y[dp_idx * 2:(dp_idx + 1) * 2])
+        model.train_step(x, y)
         opt.step()
         if step == 2 and rank == 1:
-            write = FileSystemWriter.write_data
-
             def die_while_writing(self, plan, planner):
                 os._exit(3)
             FileSystemWriter.write_data = die_while_writing
         gradsched.save(path, model, opt, step=step)
-        if step == 2:
-            FileSystemWriter.write_data = write
     return "saved both"
 
 
-def load_message(rank, world, path, vocab):
-    """What gradsched.load says of the checkpoint at `path` for a TinyGPT of this vocabulary."""
+def load_messages(rank, world, cases):
+    """What gradsched.load says of each (checkpoint path, TinyGPT vocabulary)."""
     from tiny_gpt import GPTConfig
     plan = gradsched.ParallelPlan.from_world()
-    model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=vocab)), plan=plan, loss_fn=lm_loss, compiler="eager")
-    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    try:
-        return {"ok": gradsched.load(path, model, opt)}
-    except gradsched.CheckpointError as e:
-        return {"error": str(e)}
+    out = []
+    for path, vocab in cases:
+        model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=vocab)), plan=plan, loss_fn=lm_loss, compiler="eager")
+        opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        try:
+            out.append({"ok": gradsched.load(path, model, opt)})
+        except gradsched.CheckpointError as e:
+            out.append({"error": str(e)})
+    return out
+
+
+def resume_runs(rank, world, runs):
+    """Several tied_training.resume_main runs, one after another in this world: [(job, save_to,
+    load_from, stop)]. Each builds its model, plan and optimizer anew; only checkpoints carry over."""
+    from tied_training import resume_main
+    out = []
+    for job, save_to, load_from, stop in runs:
+        torch._dynamo.reset()
+        out.append(resume_main(rank, world, job, save_to, load_from, stop))
+    return out

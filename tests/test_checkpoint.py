@@ -2,14 +2,16 @@
 
 The reference for resuming is the same parallel run, never stopped; both end in a
 checkpoint, read back whole in this process by DCP itself, and compared tensor by tensor
-(parameters, fp32 master weights and the optimizer's moments)."""
+(parameters, fp32 master weights and the optimizer's moments). The runs share one set of
+processes (start-up dominates); each builds its model, plan and optimizer anew, and only the
+checkpoint carries over. benchmarks/resume_parity.py stops every process between the halves."""
 import os
 
 import pytest
 
 from gradsched.launch import RankFailed, run_ranks
-from rank_fns import load_message, save_then_die_mid_save
-from tied_training import Job, checkpoint_contents, max_state_diff, resume_main
+from rank_fns import load_messages, resume_runs, save_then_die_mid_save
+from tied_training import Job, checkpoint_contents, max_state_diff
 from tiny_gpt import GPTConfig
 
 
@@ -18,45 +20,40 @@ def job(pp, dp, **options):
                options={"compiler": "eager", "microbatches": 2, **options})
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("uninterrupted"))
-    run_ranks(resume_main, 4, job(2, 2), path, None, 4, timeout_s=300)
-    return checkpoint_contents(path)
+RESUMED_AT = {  # name -> (the second half's layout, tolerance)
+    "same_layout": (job(2, 2), 1e-6),
+    "pp1_dp4": (job(1, 4), 1e-5),  # other reduction groups: fp32 sums in another order
+    "other_bucket_mb": (job(2, 2, bucket_mb=0.004), 1e-6),
+}
 
 
 @pytest.fixture(scope="module")
-def saved_at_pp2_dp2(tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("first_half"))
-    run_ranks(resume_main, 4, job(2, 2), path, None, 2, timeout_s=300)
-    return path
+def runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("runs")
+    plan = [(job(2, 2), str(d / "uninterrupted"), None, 4), (job(2, 2), str(d / "first_half"), None, 2)]
+    plan += [(layout, str(d / name), str(d / "first_half"), 4) for name, (layout, _) in RESUMED_AT.items()]
+    per_rank = run_ranks(resume_runs, 4, plan, timeout_s=600)
+    return d, [r["start"] for r in per_rank[0]]
 
 
-@pytest.mark.parametrize("layout,tol", [
-    (job(2, 2), 1e-6),
-    (job(1, 4), 1e-5),  # other reduction groups: fp32 sums in another order
-    (job(2, 2, bucket_mb=0.004), 1e-6),
-], ids=["same_layout", "pp1_dp4", "other_bucket_mb"])
-def test_a_run_resumed_at_any_layout_continues_as_if_never_stopped(layout, tol, uninterrupted, saved_at_pp2_dp2,
-                                                                    tmp_path):
-    results = run_ranks(resume_main, 4, layout, str(tmp_path), saved_at_pp2_dp2, 4, timeout_s=300)
-    assert all(r["start"] == 2 for r in results)
-    resumed = checkpoint_contents(str(tmp_path))
+@pytest.mark.parametrize("name", list(RESUMED_AT))
+def test_a_run_resumed_at_any_layout_continues_as_if_never_stopped(name, runs):
+    d, starts = runs
+    assert starts[2 + list(RESUMED_AT).index(name)] == 2  # it read the data position back
+    resumed = checkpoint_contents(str(d / name))
     assert any(k.endswith("/exp_avg_sq") for k in resumed)  # the moments are compared, not only weights
-    assert max_state_diff(uninterrupted, resumed) <= tol
+    assert max_state_diff(checkpoint_contents(str(d / "uninterrupted")), resumed) <= RESUMED_AT[name][1]
 
 
-def test_a_crash_mid_save_leaves_the_last_checkpoint_loadable_and_the_partial_one_refused(tmp_path):
+def test_a_crash_mid_save_leaves_the_last_checkpoint_loadable_and_the_partial_one_refused(tmp_path, runs):
     with pytest.raises(RankFailed):
-        run_ranks(save_then_die_mid_save, 4, str(tmp_path), timeout_s=120, collective_timeout_s=20)
+        run_ranks(save_then_die_mid_save, 2, str(tmp_path), timeout_s=120, collective_timeout_s=20)
     assert os.path.isdir(tmp_path / "step-00000002.partial")
-    [ok] = run_ranks(load_message, 1, str(tmp_path), 64)
-    assert ok["ok"]["step"] == 1
-    [partial] = run_ranks(load_message, 1, str(tmp_path / "step-00000002.partial"), 64)
+    d, _ = runs
+    last, partial, other_model = run_ranks(load_messages, 1, [
+        (str(tmp_path), 64), (str(tmp_path / "step-00000002.partial"), 64), (str(d / "first_half"), 96)])[0]
+    assert last["ok"]["step"] == 1
     assert "is incomplete: its save did not finish" in partial["error"]
-
-
-def test_a_checkpoint_of_another_model_is_refused_naming_what_differs(saved_at_pp2_dp2):
-    [other] = run_ranks(load_message, 1, saved_at_pp2_dp2, 96)
-    assert "is not of this model" in other["error"]
-    assert "wte.weight: saved (97, 32), model (96, 32)" in other["error"]
+    # a checkpoint of another model is refused, naming what differs
+    assert "is not of this model" in other_model["error"]
+    assert "wte.weight: saved (97, 32), model (96, 32)" in other_model["error"]
