@@ -78,20 +78,22 @@ def _trained_module(model):
     return unsplit_module(model)
 
 
-def _skipped(model) -> set[str]:
-    """Names this rank holds but does not own: the stale copies pipelining's split leaves, and tied
-    copies whose tie begins on another stage (that stage writes them)."""
+def _skipped(model, writing: bool) -> set[str]:
+    """Names this rank holds but does not write (writing=True) or read: the stale copies pipelining's
+    split leaves; when writing, also tied copies whose tie begins on another stage (that stage
+    writes them; every copy reads them)."""
     from .parallel import ParallelModel
     skip = set(model._stale_names()) if isinstance(model, ParallelModel) and model.module is not None else set()
     sync = find_sync(model)
-    if sync is not None:
+    if sync is not None and writing:
         skip |= {n for n, t in sync.setup.ties.items() if min(t.stages) != sync.setup.stage}
     return skip
 
 
-def _model_tensors(model) -> dict[str, torch.Tensor]:
-    """name in the checkpoint -> this rank's tensor (parameters and persistent buffers)."""
-    canon, skip = canonical_names(model), _skipped(model)
+def _model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
+    """name in the checkpoint -> this rank's tensor (parameters and persistent buffers) to write or
+    to read into."""
+    canon, skip = canonical_names(model), _skipped(model, writing)
     # the unsplit model's state dict is the contract: a split stage may hold more (pipelining
     # makes non-persistent buffers, such as rotary inv_freq, part of a stage's state)
     known = set(_trained_module_names_all(model))
@@ -126,10 +128,16 @@ def _pieces_by_name(plan) -> dict[str, list[tuple[int, int, int]]]:
 
 def _optimizer_entries(model, optimizer) -> dict:
     """optim/<name>/<state> entries of this rank (empty before the optimizer's first step)."""
+    if optimizer is not None and optimizer.restore_from is not None:
+        raise CheckpointError(
+            "gradsched.save after gradsched.load, before the model's first step: the loaded optimizer state "
+            "is read for this layout only once the first backward has laid out the gradient shards, so it "
+            "cannot be written yet. Checkpoints load at any layout as they are: no conversion is needed; or "
+            "save after a train_step.")
     if optimizer is None or optimizer.optimizer is None:
         return {}
     sync = find_sync(model)
-    plan, canon, skip = sync.sync_plan, canonical_names(model), _skipped(model)
+    plan, canon, skip = sync.sync_plan, canonical_names(model), _skipped(model, writing=True)
     out = {}
     if not plan.shard:  # whole parameters: a plain optimizer over them
         for name, p in sync.params.items():
@@ -188,7 +196,7 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
         os.makedirs(path, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step
     dist.barrier()
-    state = {f"model/{k}": v.detach() for k, v in _model_tensors(model).items()}
+    state = {f"model/{k}": v.detach() for k, v in _model_tensors(model, writing=True).items()}
     state["meta/step"] = torch.tensor(step, dtype=torch.int64, device="cpu")
     state["meta/data_position"] = torch.tensor(step if data_position is None else data_position, dtype=torch.int64,
                                                  device="cpu")
@@ -242,7 +250,7 @@ def load(path: str, model, optimizer=None) -> dict:
     {"step", "data_position", "path"}."""
     where = checkpoint_dir(path)
     md = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
-    mine = _model_tensors(model)
+    mine = _model_tensors(model, writing=False)
     _check_model(where, md, mine, model)
     if optimizer is not None and any(k.startswith("optim/") for k in md):
         saved = _read_bytes(where, md, "meta/optimizer")
@@ -257,8 +265,15 @@ def load(path: str, model, optimizer=None) -> dict:
         for k, v in mine.items():
             v.copy_(state[f"model/{k}"])
     if optimizer is not None:
-        optimizer.restore_from = (where, md)  # read when it builds its shards (gradsched.checkpoint.restore)
+        # a checkpoint saved before the optimizer's first step has no state: the optimizer starts
+        # afresh from the loaded parameters. Otherwise its state is read for this rank's layout,
+        # now if the layout is known (the first backward is compiled), else when the optimizer
+        # builds its pieces at its first step
+        optimizer.restore_from = (where, md) if any(k.startswith("optim/") for k in md) else None
         optimizer.optimizer = None
+        sync = find_sync(model)
+        if sync is not None and sync.sync_plan is not None:
+            optimizer.build()
     return {"step": int(state["meta/step"]), "data_position": int(state["meta/data_position"]), "path": where}
 
 

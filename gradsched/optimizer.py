@@ -74,6 +74,9 @@ class DistributedOptimizer:
                 f"DistributedOptimizer(model, torch.optim.{type(optimizer_class).__name__}, lr=...).")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"DistributedOptimizer needs a torch.optim.Optimizer class, got {optimizer_class!r}.")
+        options = getattr(model, "options", None)  # a ParallelModel's: say it now, not at the first step
+        if getattr(options, "shard", False) and not issubclass(optimizer_class, ELEMENTWISE):
+            _refuse_non_elementwise(optimizer_class)
         self.model = model
         self.optimizer_class, self.kwargs, self.param_groups = optimizer_class, optimizer_kwargs, param_groups
         self.optimizer = None
@@ -102,7 +105,8 @@ class DistributedOptimizer:
         copies = {n: sorted(set(c) | {n}) for n, c in copies.items()}
         return options_by_name(self.param_groups, sync.params, copies, unsplit_named_parameters(self.model))
 
-    def _build(self):
+    def build(self):
+        """Lay out this rank's master pieces and the wrapped optimizer (the first step does it)."""
         sync = self.sync
         plan, params = sync.sync_plan, sync.params
         options = self._options(sync)
@@ -111,11 +115,7 @@ class DistributedOptimizer:
             self._restore(sync)
             return
         if not issubclass(self.optimizer_class, ELEMENTWISE):
-            raise TypeError(
-                f"{self.optimizer_class.__name__} is not an elementwise optimizer: the distributed optimizer steps "
-                "each rank's shard of every parameter on its own, which gives the unsharded result only when an "
-                f"element's update reads nothing but that element ({', '.join(c.__name__ for c in ELEMENTWISE)}). "
-                "Use one of those, or shard=False (plain data parallel: every rank steps whole parameters).")
+            _refuse_non_elementwise(self.optimizer_class)
         self.pieces = owned_pieces(plan.layout, plan.grad_group.index)
         self.masters = [torch.nn.Parameter(params[pc.name].detach().reshape(-1)[pc.lo:pc.hi].float().clone())
                         for pc in self.pieces]
@@ -136,7 +136,7 @@ class DistributedOptimizer:
         """One optimizer step over this step's reduced gradients. lr_scale: a schedule's factor on every
         group's learning rate (the rate it was built with), e.g. warmup and cosine decay."""
         if self.optimizer is None:
-            self._build()
+            self.build()
         if lr_scale is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = g.setdefault("base_lr", g["lr"]) * lr_scale
@@ -182,7 +182,22 @@ class DistributedOptimizer:
             p.grad = None
 
     def state_dict(self):
-        return self.optimizer.state_dict() if self.optimizer else {}
+        raise NotImplementedError(
+            "DistributedOptimizer keeps its state in pieces of flat gradient buckets, whose layout depends on "
+            "pp, dp, cp and bucket_mb: a torch state dict of them could not be loaded elsewhere. Use "
+            "gradsched.save(path, model, optimizer, step=...) and gradsched.load(path, model, optimizer): "
+            "keyed by parameter name, loadable at any layout.")
+
+    def load_state_dict(self, state):
+        self.state_dict()  # the same answer
+
+
+def _refuse_non_elementwise(cls):
+    raise TypeError(
+        f"{cls.__name__} is not an elementwise optimizer: the distributed optimizer steps each rank's shard "
+        "of every parameter on its own, which gives the unsharded result only when an element's update "
+        f"reads nothing but that element ({', '.join(c.__name__ for c in ELEMENTWISE)}). Use one of those, or "
+        "shard=False (plain data parallel: every rank steps whole parameters).")
 
 
 def _groups(keys, options: dict, tensor_of) -> list[dict]:

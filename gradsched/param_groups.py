@@ -9,7 +9,9 @@ groups are resolved by the parameter's name in the unsplit model:
 
 Options a group does not set come from the optimizer's keyword arguments. Copies of one
 weight (a tie across stages, or one Parameter under several names) must get one set of
-options, else they would drift apart: they are resolved together and refused if they differ.
+options, else they would drift apart: a group listing one of its names covers all of them
+(as torch's groups list the Parameter once), and a function is asked under each name and
+refused if its answers differ.
 """
 from __future__ import annotations
 
@@ -56,7 +58,8 @@ def _from_groups(groups, unsplit) -> Callable:
     names_of: dict[int, list[str]] = {}
     for n, p in unsplit:
         names_of.setdefault(id(p), []).append(n)
-    known = {n for n, _ in unsplit}
+    by_param_name = dict(unsplit)
+    known = set(by_param_name)
     by_name: dict[str, dict] = {}
     for i, g in enumerate(groups):
         if not isinstance(g, dict) or "params" not in g:
@@ -67,7 +70,7 @@ def _from_groups(groups, unsplit) -> Callable:
                 if x not in known:
                     raise ValueError(f"param group {i} names {x!r}, which is not a parameter of the model "
                                      f"(it has {sorted(known)[:6]}...).")
-                names = [x]
+                names = names_of[id(by_param_name[x])]  # one weight: every name it has, as torch would
             elif isinstance(x, torch.Tensor):
                 names = names_of.get(id(x))
                 if names is None:

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from gradsched.passes import GradSpec, grad_ready_order
+from gradsched.passes import grad_ready_order
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_sync import SyncRecord
 

@@ -216,7 +216,10 @@ def main(argv=None) -> int:
                                   **({"reduce_dtype": torch.float32} if args.dtype == "bfloat16" else {}))
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
-    start = gradsched.load(args.resume, model, opt)["data_position"] if args.resume else 0
+    try:
+        start = gradsched.load(args.resume, model, opt)["data_position"] if args.resume else 0
+    except gradsched.CheckpointError as e:
+        raise SystemExit(f"--resume: {e}") from None
     _, dp_idx, cp_idx = plan.coords()
     reporter = plan.stage == args.pp - 1 and dp_idx == 0 and cp_idx == 0
     progress = Progress(args.steps, args.log_every) if reporter else None

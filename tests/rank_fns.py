@@ -232,9 +232,7 @@ def decay_free_step(rank, world):
 def non_elementwise_optimizer(rank, world):
     plan = gradsched.ParallelPlan.from_world()
     model = gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, compiler="eager")
-    opt = gradsched.DistributedOptimizer(model, torch.optim.Adafactor, lr=1e-2)
-    model.train_step(*make_batch(2, TinyGPT().config))
-    return _message(opt.step)
+    return _message(lambda: gradsched.DistributedOptimizer(model, torch.optim.Adafactor, lr=1e-2))
 
 
 def save_then_die_mid_save(rank, world, path):
@@ -281,3 +279,34 @@ def resume_runs(rank, world, runs):
         torch._dynamo.reset()
         out.append(resume_main(rank, world, job, save_to, load_from, stop))
     return out
+
+
+def load_after_training_started(rank, world, path, resave_to):
+    """pp2: one step, then load the checkpoint at `path` into the running stages and save it again at
+    `resave_to` at once; return each rank's parameters right after the load (a step with the
+    restored optimizer must run after it)."""
+    from tiny_gpt import GPTConfig
+    plan = gradsched.ParallelPlan.from_world(pp=2)
+    torch.manual_seed(1)  # other weights than the checkpoint's
+    model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=97)), plan=plan, loss_fn=lm_loss,
+                                  split_points=["blocks.1"], compiler="eager", microbatches=2)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = make_batch(4, GPTConfig(vocab=97))
+    model.train_step(x, y)
+    opt.step()
+    step = gradsched.load(path, model, opt)["step"]
+    params = {n: p.detach().clone() for n, p in model.grad_sync.params.items()}
+    gradsched.save(resave_to, model, opt, step=step)
+    model.train_step(x, y)
+    opt.step()
+    return params
+
+
+def save_right_after_load(rank, world, path, to):
+    """Load before the first step (the layout is not known yet), then save at once."""
+    from tiny_gpt import GPTConfig
+    plan = gradsched.ParallelPlan.from_world()
+    model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=97)), plan=plan, loss_fn=lm_loss, compiler="eager")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    gradsched.load(path, model, opt)
+    return _message(lambda: gradsched.save(to, model, opt, step=2))

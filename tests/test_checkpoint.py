@@ -10,7 +10,8 @@ import os
 import pytest
 
 from gradsched.launch import RankFailed, run_ranks
-from rank_fns import load_messages, resume_runs, save_then_die_mid_save
+from rank_fns import (load_after_training_started, load_messages, resume_runs, save_right_after_load,
+                      save_then_die_mid_save)
 from tied_training import Job, checkpoint_contents, max_state_diff
 from tiny_gpt import GPTConfig
 
@@ -57,3 +58,20 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_loadable_and_the_partial_on
     # a checkpoint of another model is refused, naming what differs
     assert "is not of this model" in other_model["error"]
     assert "wte.weight: saved (97, 32), model (96, 32)" in other_model["error"]
+
+
+def test_a_checkpoint_loaded_into_running_stages_reaches_every_copy_and_saves_again_unchanged(runs, tmp_path):
+    d, _ = runs
+    saved = checkpoint_contents(str(d / "first_half"))
+    for params in run_ranks(load_after_training_started, 2, str(d / "first_half"), str(tmp_path)):
+        for name, p in params.items():  # stage 1's head is the embedding's copy, saved under its first name
+            assert p.equal(saved[f"model/{'wte.weight' if name == 'lm_head.weight' else name}"]), name
+    # saved again before any step (at pp2 x dp1, from a pp2 x dp2 checkpoint): the same state
+    assert max_state_diff(saved, checkpoint_contents(str(tmp_path))) == 0.0
+
+
+def test_saving_a_loaded_checkpoint_before_the_layout_is_known_is_refused_not_written_without_state(runs, tmp_path):
+    d, _ = runs
+    [message] = run_ranks(save_right_after_load, 1, str(d / "first_half"), str(tmp_path))
+    assert message.startswith("CheckpointError: gradsched.save after gradsched.load, before the model's first step")
+    assert not (tmp_path / "latest").exists()

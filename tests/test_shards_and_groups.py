@@ -58,3 +58,8 @@ def test_copies_of_one_weight_given_different_options_are_refused():
         return {"lr": 1.0} if name == "lm_head.weight" else {}
     with pytest.raises(ValueError, match="different options under its names"):
         options_by_name(by_name, PARAMS, COPIES, UNSPLIT)
+
+
+def test_a_group_listing_one_name_of_a_tied_weight_covers_its_other_names():
+    got = options_by_name([{"params": ["lm_head.weight"], "lr": 3.0}], PARAMS, COPIES, UNSPLIT)
+    assert got["wte.weight"] == {"lr": 3.0}
