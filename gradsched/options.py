@@ -9,7 +9,7 @@ MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
 PLACEMENTS = ("auto", "split", "backward", "flush")
 COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
-COMMS = ("ring", "allgather")
+COMMS = ("ring", "allgather", "a2a")
 
 
 @dataclass
@@ -46,7 +46,7 @@ class SyncOptions:
     dump_dir: str | None = None
     # context parallelism (plan.cp > 1): how attention is lowered into ring steps
     accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
-    comm: str = "ring"  # "ring" (p2p K/V rotation) | "allgather"
+    comm: str = "ring"  # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.ulysses)
     load_balance: bool = True  # causal layout: rank r holds chunks r and 2cp-1-r
 
     def __post_init__(self):

@@ -224,6 +224,13 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                          comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.ulysses)
+        if return_lse:
+            raise RingAttentionError(f"{call}: comm='a2a' returns no log-sum-exp. Use comm='ring' for calls "
+                                     "that return it (flash-attn's return_attn_probs / LSE).")
+        from gradsched.ulysses import ulysses_attention
+        return ulysses_attention(q, k, v, group_name, cp, causal=causal, scale=float(scale),
+                                 load_balance=load_balance)
     out, lse = _RingAttention.apply(q, k, v, group_name, rank, cp, causal, float(scale),
                                     accumulate, comm, load_balance, bool(fewest_roundings))
     return (out, lse) if return_lse else out

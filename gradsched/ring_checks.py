@@ -5,7 +5,7 @@ from __future__ import annotations
 from gradsched.passes.context_parallel import RingAttentionError  # one error for the pass and the ring
 
 ACCUMULATE_MODES = ("fp32", "input", "fp32_blocks")
-COMM_MODES = ("ring", "allgather")
+COMM_MODES = ("ring", "allgather", "a2a")
 
 
 def unsupported(call: str, reason: str, fix: str) -> RingAttentionError:
@@ -45,6 +45,8 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            f"Choose one of {ACCUMULATE_MODES}.")
     if comm not in COMM_MODES:
         raise unsupported(call, f"comm={comm!r} is unknown", f"Choose one of {COMM_MODES}.")
+    if comm == "a2a":
+        _check_heads_for_a2a(call, q_heads, kv_heads, cp)
     if fewest_roundings and device_type != "cpu":
         # Its joined calls need a mask tensor, which on CUDA only the memory-efficient kernel
         # takes: measured on an H100 (torch 2.11) at 27% of the limit, and with wrong dq/dk
@@ -53,3 +55,16 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            f"are on {device_type!r}", "Leave fewest_roundings off: on CUDA the "
                            "flash kernel sums each call in fp32, and the default schedule meets "
                            "the numerics targets.")
+
+
+def _check_heads_for_a2a(call: str, q_heads: int, kv_heads: int, cp: int) -> None:
+    """comm='a2a' splits the heads over the CP ranks: every rank must get whole query heads and
+    whole GQA groups."""
+    if q_heads % cp:
+        raise unsupported(call, f"comm='a2a' splits the {q_heads} query heads over cp={cp} ranks, and "
+                           f"{q_heads} is not divisible by {cp}", "Use comm='ring' (any head count), or a cp "
+                           f"that divides {q_heads}.")
+    if kv_heads % cp and cp % kv_heads:
+        raise unsupported(call, f"comm='a2a' needs the {kv_heads} key/value heads divisible by cp={cp}, or "
+                           "dividing it (then each is repeated to the ranks whose queries read it)",
+                           f"Use comm='ring', or a cp that {kv_heads} divides or that divides {kv_heads}.")

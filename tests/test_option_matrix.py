@@ -60,6 +60,8 @@ CASES = {
     "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
     "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
+    "dp2_cp2_a2a": job(1, 2, 2, comm="a2a"),
+    "pp2_cp2_a2a_m2": job(2, 1, 2, comm="a2a", microbatches=2),
     # checks off, graphs dumped
     "pp2_dp2_no_rank_check_dumped": job(2, 2, check_ranks=False, dump_dir="/tmp/gradsched-matrix-dump"),
     # clipping by the global norm (ties counted once, shards summed), and parameter groups
@@ -77,6 +79,7 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
     "inductor_pp2_cp2_m2": job(2, 1, 2, microbatches=2, compiler="inductor"),
     "inductor_dp2_cp2_all_reduce": job(1, 2, 2, shard=False, compiler="inductor"),
+    "inductor_dp2_cp2_a2a": job(1, 2, 2, comm="a2a", compiler="inductor"),
     "inductor_pp2_dp2_clip_param_groups": job(2, 2, optimizer="adamw", param_groups="decay_matrices", clip=CLIP,
                                               compiler="inductor"),
 }

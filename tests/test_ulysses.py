@@ -1,0 +1,77 @@
+"""Ulysses attention (comm="a2a"): context parallelism by heads, against attention over the whole sequence.
+
+It runs the single-device kernel on whole sequences of a subset of the heads, so its
+error against fp64 is the single device's own: the mean bound is 1.0x the single-device
+kernel's mean error (the ring's is 1.5x), with the max bound of tests/test_ring_attention.py.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradsched.cp_layout import shard, unshard
+from gradsched.launch import run_ranks
+from gradsched.ring_attention import RingAttentionError, ring_attention
+from gradsched.ring_checks import check_attention_call
+from test_ring_attention import HQ, check_accuracy, fp64_attention, inputs, single_device
+
+CASES = {  # name -> (dtype, causal, kv heads, load_balance)
+    "bf16-causal-gqa": (torch.bfloat16, True, 2, True),
+    "bf16-causal-mqa-plain": (torch.bfloat16, True, 1, False),
+    "fp32-full-mha": (torch.float32, False, HQ, True),
+    "fp32-causal-gqa": (torch.float32, True, 2, True),
+}
+
+
+def _worker(rank, world):
+    torch.set_num_threads(1)
+    group = dist.group.WORLD.group_name
+    out = {}
+    for i, (name, (dtype, causal, kv, lb)) in enumerate(CASES.items()):
+        q, k, v, dout = inputs(dtype, kv, seed=40 + i)
+
+        def attend(ql, kl, vl):
+            return ring_attention(ql, kl, vl, group, causal=causal, comm="a2a", load_balance=lb)
+        fns = {"eager": attend}
+        if name == "bf16-causal-gqa":
+            fns["inductor"] = torch.compile(attend, fullgraph=True, backend="inductor")
+        for how, fn in fns.items():
+            ql, kl, vl = (shard(x, world, rank, dim=2, load_balance=lb).requires_grad_() for x in (q, k, v))
+            o = fn(ql, kl, vl)
+            o.backward(shard(dout, world, rank, dim=2, load_balance=lb))
+            out[(name, how)] = [o.detach(), ql.grad, kl.grad, vl.grad]
+    return out
+
+
+_RUNS = {}
+
+
+def result(world, name, how="eager"):
+    if world not in _RUNS:
+        _RUNS[world] = run_ranks(_worker, world, timeout_s=300)
+    lb = CASES[name][3]
+    return [unshard([r[(name, how)][i] for r in _RUNS[world]], world, dim=2, load_balance=lb) for i in range(4)]
+
+
+@pytest.mark.parametrize("world", (2, 4))
+@pytest.mark.parametrize("name", list(CASES))
+def test_a2a_matches_fp64_as_well_as_the_single_device_kernel(world, name):
+    dtype, causal, kv, _ = CASES[name]
+    q, k, v, dout = inputs(dtype, kv, seed=40 + list(CASES).index(name))
+    failures = check_accuracy(result(world, name), single_device(q, k, v, causal, dout),
+                              fp64_attention(q, k, v, causal, dout), dtype, world, mean_factor=1.0)
+    assert not failures, f"cp={world} {name}:\n" + "\n".join(failures)
+
+
+def test_a2a_compiles_fullgraph_with_inductor_and_matches_eager():
+    for a, b in zip(result(2, "bf16-causal-gqa", "inductor"), result(2, "bf16-causal-gqa")):
+        assert (a.double() - b.double()).abs().max().item() <= torch.finfo(torch.bfloat16).eps * b.abs().max().item()
+
+
+def test_query_heads_that_do_not_divide_over_cp_are_refused_naming_the_ring():
+    with pytest.raises(RingAttentionError, match=r"6 query heads over cp=4.*comm='ring'"):
+        check_attention_call("sdpa", q_heads=6, kv_heads=2, local_len=8, cp=4, causal=True, comm="a2a")
+
+
+def test_kv_heads_that_neither_divide_nor_are_divided_by_cp_are_refused():
+    with pytest.raises(RingAttentionError, match=r"3 key/value heads divisible by cp=2, or dividing it"):
+        check_attention_call("sdpa", q_heads=6, kv_heads=3, local_len=8, cp=2, causal=True, comm="a2a")
