@@ -202,7 +202,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--comm", choices=("ring", "allgather"), default="ring",
+    p.add_argument("--comm", choices=("ring", "allgather", "a2a"), default="ring",
                    help="gradsched's K/V exchange (torch_ring always uses torch's default)")
     p.add_argument("--iters", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
