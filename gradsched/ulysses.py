@@ -49,29 +49,20 @@ def _heads_to_seq(x: torch.Tensor, cp: int, group_name: str) -> torch.Tensor:
     return got.transpose(0, 1).reshape(B, cp * h, S // cp, D)
 
 
-class _SeqToHeads(torch.autograd.Function):
-    """The all-to-all and its adjoint (the reverse all-to-all): a permutation of elements
-    across ranks, so the gradient goes back the way the values came."""
+class _Redistribute(torch.autograd.Function):
+    """Sequence to heads (to_heads=True) or heads to sequence, with its adjoint: the other way.
+    The all-to-all is a permutation of elements across ranks, so the gradient goes back the way
+    the values came."""
 
     @staticmethod
-    def forward(ctx, x, cp, group_name):
-        ctx.cp, ctx.group_name = cp, group_name
-        return _seq_to_heads(x, cp, group_name)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _heads_to_seq(g, ctx.cp, ctx.group_name), None, None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cp, group_name):
-        ctx.cp, ctx.group_name = cp, group_name
-        return _heads_to_seq(x, cp, group_name)
+    def forward(ctx, x, cp, group_name, to_heads):
+        ctx.args = (cp, group_name, to_heads)
+        return (_seq_to_heads if to_heads else _heads_to_seq)(x, cp, group_name)
 
     @staticmethod
     def backward(ctx, g):
-        return _seq_to_heads(g, ctx.cp, ctx.group_name), None, None
+        cp, group_name, to_heads = ctx.args
+        return (_heads_to_seq if to_heads else _seq_to_heads)(g, cp, group_name), None, None, None
 
 
 class _KVToHeads(torch.autograd.Function):
@@ -112,8 +103,8 @@ def ulysses_attention(q, k, v, group_name: str, cp: int, *, causal: bool, scale:
     out [B, Hq, L, Dv] in the same order."""
     order = layout_order(q.shape[2] * cp, cp, load_balance, device=q.device)  # slot -> position
     natural = torch.argsort(order)  # position -> slot
-    q = _SeqToHeads.apply(q, cp, group_name).index_select(2, natural)
+    q = _Redistribute.apply(q, cp, group_name, True).index_select(2, natural)
     # GQA: the key/value heads expanded to this rank's query heads, as a single device's call sees them
     k, v = (_KVToHeads.apply(t, cp, group_name, order, natural, q.shape[1]) for t in (k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return _HeadsToSeq.apply(out.index_select(2, order), cp, group_name)
+    return _Redistribute.apply(out.index_select(2, order), cp, group_name, False)
