@@ -43,6 +43,7 @@ class Job:
     variant: str = ""  # tiny_gpt only: "untied" (no tie at all), "hidden_tie" (blocks.1.proj = blocks.0.proj too)
     clip: float = 0.0  # > 0: clip gradients to this global norm before each step
     param_groups: str = ""  # "decay_matrices": weight decay on >= 2-D parameters only (gradsched.weight_decay_groups)
+    inputs: str = ""  # Hugging Face models: "documents" (packed: positions restart), "padding" (attention_mask)
 
     @property
     def loss_fn(self):
@@ -57,12 +58,41 @@ PAD_TAIL = (0, 5, 3, 16, 16, 16, 9, 1)
 def batch(job: Job, step: int):
     k = step % job.data_batches if job.data_batches else step
     x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + k)
+    if job.inputs == "padding":  # pads score nothing
+        y = y.masked_fill(model_inputs(job, step)["attention_mask"] == 0, -100)
     if job.labels == "padded":
         y = y.clone()
         for i in range(len(y)):
             pad = min(PAD_TAIL[(i + step) % len(PAD_TAIL)], y.shape[1])
             y[i, y.shape[1] - pad:] = -100
     return x, y
+
+
+# packed documents per sequence (lengths cycle over the batch); right padding per sequence
+DOC_LENGTHS = ((5, 18, 1, 26, 14), (64,), (30, 34), (7, 9, 11, 13, 24))
+PAD_RIGHT = (0, 13, 40, 3)
+
+
+def model_inputs(job: Job, step: int) -> dict:
+    """positions / attention_mask for train_step and the reference (the global batch), or {}."""
+    n, seq = job.global_batch, job.config.seq
+    if job.inputs == "documents":
+        rows = []
+        for i in range(n):
+            lengths = DOC_LENGTHS[(i + step) % len(DOC_LENGTHS)]
+            pos = torch.cat([torch.arange(k) for k in lengths])
+            rows.append(torch.cat([pos, torch.arange(seq - len(pos))])[:seq])
+        return {"positions": torch.stack(rows)}
+    if job.inputs == "padding":
+        mask = torch.ones(n, seq, dtype=torch.long)
+        for i in range(n):
+            pad = PAD_RIGHT[(i + step) % len(PAD_RIGHT)]
+            if pad:
+                mask[i, seq - pad:] = 0
+        return {"positions": torch.arange(seq).expand(n, seq), "attention_mask": mask}
+    if job.inputs:
+        raise ValueError(f"unknown inputs {job.inputs!r}")
+    return {}
 
 
 def build_model(job: Job):
@@ -111,11 +141,14 @@ def optimizer_class(job: Job):
 def reference(job: Job) -> dict:
     """Unsplit model, one process: losses per step and every parameter by every name it has."""
     model, _ = build_model(job)
+    if job.model.startswith("hf_"):  # HF's own attention, building its own masks: independent of the adapter
+        model.model.set_attn_implementation("sdpa")
     opt = optimizer_class(job)(torch_groups(job, model), **optimizer_kwargs(job))
     losses, grads, norms = [], {}, []
     for step in range(job.steps):
         x, y = batch(job, step)
-        loss = job.loss_fn(model(x), y)
+        extra = model_inputs(job, step)
+        loss = job.loss_fn(model(x, extra.get("positions"), extra.get("attention_mask")) if extra else model(x), y)
         loss.backward()
         if step == 0:  # every name a parameter has, tied names included (one Parameter, one gradient)
             grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -149,12 +182,13 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     for step in range(job.steps):
         x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+        extra = {k: t[sl] for k, t in model_inputs(job, step).items()}
         t0 = time.perf_counter()
         if job.capture_code and step == 0:
             from torch._inductor.utils import run_and_get_code
-            loss, code = run_and_get_code(model.train_step, x[sl], y[sl])
+            loss, code = run_and_get_code(model.train_step, x[sl], y[sl], **extra)
         else:
-            loss = model.train_step(x[sl], y[sl])
+            loss = model.train_step(x[sl], y[sl], **extra)
         if step == 0:
             grads = reduced_gradients(model.grad_sync)
         if job.clip:

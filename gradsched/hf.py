@@ -1,17 +1,24 @@
 """Hugging Face causal LMs as gradsched clients: unmodified models behind a call adapter.
 
 `CausalLM(model)` gives any `*ForCausalLM` the call gradsched trains with,
-(tokens, positions) -> logits: context parallelism hands each rank non-contiguous
-positions, so they must come in explicitly (learned position tables and RoPE
-read them). The model itself is untouched: its parameters, its tied embedding
-and head (one Parameter), its SDPA attention.
+(tokens, positions, attention_mask) -> logits: context parallelism hands each rank
+non-contiguous positions, so they must come in explicitly (learned position tables and
+RoPE read them). The model itself is untouched: its parameters, its tied embedding and
+head (one Parameter), its attention layers.
 
-The adapter computes plain causal attention. A model whose attention is anything
-else (a sliding window on any layer: Mistral, Qwen2 with use_sliding_window,
-Gemma2/3's local layers; logit soft-capping; attention sinks) or a call with a
-padding mask is refused with UnsupportedAttention naming the model, the layer and
-the feature, at construction and again if HF hands such an argument to the
-attention function: it never computes a different attention silently.
+Its attention is HF's, with the masks HF would build handed over as arguments of
+gradsched.masks.attention (which the context-parallel lowering turns into the ring or
+Ulysses, and which is SDPA in one process):
+- each layer's sliding window (Mistral, Qwen2 with use_sliding_window, Gemma2/3's local
+  layers), from the `sliding_window` HF passes to the attention function;
+- packed documents: position ids that do not step by 1 start a new document, as HF
+  detects them when no attention_mask is given (`documents=False` skips this, and the
+  per-token mask it costs, for data that is never packed);
+- padding: an attention_mask [B, S] hides the pads as keys, as HF's does.
+Anything else a layer computes (logit soft-capping, attention sinks, dropout) is refused
+with UnsupportedAttention naming the model, the layer and the feature, at construction
+and again if HF hands such an argument to the attention function: it never computes a
+different attention silently.
 """
 from __future__ import annotations
 
@@ -19,24 +26,16 @@ import torch.nn as nn
 
 
 class UnsupportedAttention(NotImplementedError):
-    """The model's attention is not plain causal attention, which is all this adapter computes."""
+    """The model's attention does something this adapter does not compute."""
 
 
-_WHAT_TO_DO = ("gradsched.hf.CausalLM computes plain causal attention only (sliding windows, padding and "
-               "packed documents in the context-parallel ring are the issue 'Context parallelism for real "
-               "models'). Train this model without the adapter, or, if no sequence is ever longer than the "
-               "window, set the config's sliding_window to None.")
+_WHAT_TO_DO = ("gradsched.hf.CausalLM computes causal attention with sliding windows, packed documents and "
+               "padding. Train this model without the adapter, or turn the feature off in its config.")
 
 
 def _layer_features(module) -> list[str]:
-    """What this attention layer computes beyond plain causal attention."""
-    if hasattr(module, "sliding_window"):
-        window = module.sliding_window  # Qwen2, Gemma: per layer, None on full-attention layers
-    else:
-        window = getattr(module.config, "sliding_window", None)  # Mistral reads it from the config per call
+    """What this attention layer computes that the adapter does not."""
     out = []
-    if window is not None:
-        out.append(f"a sliding window of {window} tokens")
     softcap = getattr(module, "attn_logit_softcapping", None)
     if softcap is not None:
         out.append(f"attention logit soft-capping at {softcap}")
@@ -45,8 +44,8 @@ def _layer_features(module) -> list[str]:
     return out
 
 
-def check_plain_causal_attention(model: nn.Module) -> None:
-    """Refuse a model any of whose attention layers is not plain causal attention."""
+def check_supported_attention(model: nn.Module) -> None:
+    """Refuse a model any of whose attention layers computes what the adapter does not."""
     for name, module in model.named_modules():
         if not hasattr(module, "layer_idx") or not hasattr(module, "config") or \
                 not any(hasattr(module, a) for a in ("q_proj", "c_attn", "qkv_proj")):
@@ -58,56 +57,71 @@ def check_plain_causal_attention(model: nn.Module) -> None:
                 f"{type(module).__name__}) has {' and '.join(features)}. {_WHAT_TO_DO}")
 
 
-CAUSAL_SDPA = "gradsched_causal_sdpa"
+ATTENTION = "gradsched_attention"
+ATTENTION_NO_DOCUMENTS = "gradsched_attention_no_documents"
 
 
-def _register_causal_sdpa() -> None:
-    """An HF attention implementation: SDPA with is_causal=True and no mask tensor.
-
-    For a causal LM without padding, the mask HF would build is exactly the causal
-    one; as a tensor it would also have to be sharded for context parallelism and
-    would defeat the ring (which computes causal blocks itself). So the mask
-    function returns None and SDPA gets is_causal=True, which the ring lowers.
-    """
+def _register_attention() -> None:
+    """HF attention implementations calling gradsched.masks.attention with the model's masks as
+    arguments. The mask function hands the 2-D padding mask through (None without padding)
+    instead of building a [B, 1, S, S] tensor, which would have to be cut for context
+    parallelism and would hide the window and documents from the ring."""
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface
 
-    def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
-        # a backstop for what the construction-time check could not see in the module
-        changed = [f"{k}={kwargs[k]!r}" for k in ("sliding_window", "softcap", "s_aux") if kwargs.get(k) is not None]
-        if changed:
-            raise UnsupportedAttention(
-                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) calls attention with "
-                f"{', '.join(changed)}. {_WHAT_TO_DO}")
-        kwargs.pop("is_causal", None)
-        return sdpa_attention_forward(module, query, key, value, None, is_causal=True, **kwargs)
+    from gradsched.masks import attention
 
-    AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
-    AttentionMaskInterface.register(CAUSAL_SDPA, lambda *args, **kwargs: None)
+    def make(documents: bool):
+        def gradsched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                                sliding_window=None, position_ids=None, **kwargs):
+            changed = [f"{k}={kwargs[k]!r}" for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+            if dropout:
+                changed.append(f"dropout={dropout}")
+            if changed:
+                raise UnsupportedAttention(
+                    f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) calls attention with "
+                    f"{', '.join(changed)}. {_WHAT_TO_DO}")
+            if attention_mask is not None and attention_mask.dim() != 2:
+                raise UnsupportedAttention(
+                    f"{type(module).__name__}: got a prepared {attention_mask.dim()}-D attention mask. Pass "
+                    "the [batch, sequence] padding mask (1: token, 0: pad) as attention_mask.")
+            # HF finds packed documents in the position ids only when no padding mask is given
+            docs = position_ids if documents and attention_mask is None else None
+            out = attention(query, key, value, causal=True, scale=scaling, window=sliding_window,
+                            position_ids=docs, key_padding=attention_mask)
+            return out.transpose(1, 2).contiguous(), None
+        return gradsched_attention
+
+    AttentionInterface.register(ATTENTION, make(True))
+    AttentionInterface.register(ATTENTION_NO_DOCUMENTS, make(False))
+    for name in (ATTENTION, ATTENTION_NO_DOCUMENTS):
+        AttentionMaskInterface.register(name, lambda *args, attention_mask=None, **kwargs: attention_mask)
 
 
 class CausalLM(nn.Module):
-    """(tokens, positions) -> logits of an unmodified HF causal LM, without padding.
+    """(tokens, positions, attention_mask) -> logits of an unmodified HF causal LM.
 
-    Selects the causal-SDPA attention implementation above through HF's own
-    registry (the model's code and weights are untouched).
+    documents: find packed documents in the position ids, as HF does (a per-token mask on
+    every attention call). False for data that is never packed: then positions are read
+    as positions only, and attention is plain causal (with its window).
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, documents: bool = True):
         super().__init__()
-        check_plain_causal_attention(model)
-        _register_causal_sdpa()
-        model.set_attn_implementation(CAUSAL_SDPA)
+        check_supported_attention(model)
+        _register_attention()
+        model.set_attn_implementation(ATTENTION if documents else ATTENTION_NO_DOCUMENTS)
         self.model = model
 
     def forward(self, tokens, positions=None, attention_mask=None):
+        # Computed values, not the model's inputs, reach the attention layers: a pipeline split gives only
+        # the first stage the inputs and sends later stages what was computed before them.
+        if positions is not None:
+            positions = positions.clone()
         if attention_mask is not None:
-            raise UnsupportedAttention(
-                f"{type(self.model).__name__}: an attention_mask (padding) was passed. {_WHAT_TO_DO} Pad on the "
-                "right and give the pads' labels ignore_index instead: causal attention never lets a real "
-                "token see a pad after it, and the loss skips them.")
-        return self.model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+            attention_mask = attention_mask.bool()
+        return self.model(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
+                          use_cache=False).logits
 
 
 def tiny_gpt2(vocab=64, seq=16, dim=32, layers=2, heads=4) -> tuple[nn.Module, list[str]]:
@@ -118,7 +132,7 @@ def tiny_gpt2(vocab=64, seq=16, dim=32, layers=2, heads=4) -> tuple[nn.Module, l
     c._attn_implementation = "sdpa"
     m = GPT2LMHeadModel(c)
     m.loss_type = "ForCausalLM"  # else a warning_once log call breaks fullgraph
-    return CausalLM(m), [f"model.transformer.h.{layers // 2}"]
+    return CausalLM(m, documents=False), [f"model.transformer.h.{layers // 2}"]
 
 
 def tiny_llama(vocab=64, seq=16, dim=32, layers=2, heads=4, kv_heads=2) -> tuple[nn.Module, list[str]]:
@@ -128,7 +142,44 @@ def tiny_llama(vocab=64, seq=16, dim=32, layers=2, heads=4, kv_heads=2) -> tuple
                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
                     tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=None)
     c._attn_implementation = "sdpa"
-    return CausalLM(LlamaForCausalLM(c)), [f"model.model.layers.{layers // 2}"]
+    return CausalLM(LlamaForCausalLM(c), documents=False), [f"model.model.layers.{layers // 2}"]
 
 
-MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama}
+def _tiny(config_cls, model_cls, *, documents=True, vocab, seq, dim, layers, heads, kv_heads=2, **extra):
+    c = config_cls(vocab_size=vocab, hidden_size=dim, intermediate_size=2 * dim, num_hidden_layers=layers,
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=seq,
+                   tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=None, **extra)
+    c._attn_implementation = "sdpa"
+    return CausalLM(model_cls(c), documents=documents), [f"model.model.layers.{layers // 2}"]
+
+
+def tiny_mistral(vocab=64, seq=64, dim=32, layers=2, heads=4, window=16):
+    """A tiny random Mistral (sliding window on every layer, GQA, tied embeddings)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return _tiny(MistralConfig, MistralForCausalLM, vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads,
+                 sliding_window=window)
+
+
+def tiny_qwen2(vocab=64, seq=64, dim=32, layers=2, heads=4, window=16):
+    """A tiny random Qwen2 with use_sliding_window (every layer windowed: max_window_layers=0)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    return _tiny(Qwen2Config, Qwen2ForCausalLM, vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads,
+                 use_sliding_window=True, sliding_window=window, max_window_layers=0)
+
+
+def tiny_gemma3(vocab=64, seq=64, dim=32, layers=2, heads=4, window=16):
+    """A tiny random Gemma3 text model: a local (windowed) layer then a global one."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    return _tiny(Gemma3TextConfig, Gemma3ForCausalLM, vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads,
+                 head_dim=dim // heads, sliding_window=window,
+                 layer_types=["sliding_attention", "full_attention"] * (layers // 2))
+
+
+def tiny_llama_documents(vocab=64, seq=64, dim=32, layers=2, heads=4):
+    """tiny_llama reading packed documents from its position ids (CausalLM(documents=True))."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    return _tiny(LlamaConfig, LlamaForCausalLM, vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads)
+
+
+MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistral, "hf_qwen2": tiny_qwen2,
+          "hf_gemma3": tiny_gemma3, "hf_llama_documents": tiny_llama_documents}

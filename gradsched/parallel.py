@@ -67,18 +67,25 @@ class ParallelModel:
                                     backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync,
                                                                       plan=self.plan))
 
-    def _shard_sequence(self, inputs, targets):
+    def _shard_sequence(self, inputs, targets, positions=None, attention_mask=None):
         """Model inputs as a tuple; under context parallelism, this rank's slice of the sequence.
 
-        The model then gets (tokens, positions): each rank holds non-contiguous chunks, so
-        positions must come in explicitly (learned or rotary embeddings read them).
+        The model gets (tokens), (tokens, positions) or (tokens, positions, attention_mask):
+        under context parallelism each rank holds non-contiguous chunks, so positions come in
+        explicitly (learned or rotary embeddings read them; packed documents restart them).
         """
+        for name, t in (("positions", positions), ("attention_mask", attention_mask)):
+            if t is not None and tuple(t.shape) != tuple(inputs.shape[:2]):
+                raise ValueError(f"train_step: {name} has shape {tuple(t.shape)}, and the inputs "
+                                 f"{tuple(inputs.shape[:2])}. Pass one per token, [batch, sequence].")
+        if positions is None and (self.plan.cp > 1 or attention_mask is not None):
+            positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[:2])
+        args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
         if self.plan.cp == 1:
-            return (inputs,), targets
+            return args, targets
         from .cp_layout import shard
         cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
-        pos = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[:2])
-        return (shard(inputs, cp, r, 1, lb), shard(pos, cp, r, 1, lb)), shard(targets, cp, r, 1, lb)
+        return tuple(shard(t, cp, r, 1, lb) for t in args), shard(targets, cp, r, 1, lb)
 
     def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
@@ -121,25 +128,28 @@ class ParallelModel:
         self.schedule = cls(stage, n_microbatches=self.options.microbatches,
                             loss_fn=lambda out, target: self._weighted_loss(out, target), scale_grads=False)
 
-    def train_step(self, inputs, targets):
+    def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
+
+        positions / attention_mask ([batch, sequence], optional): handed to the model after its
+        tokens (packed documents restart positions; attention_mask marks pads with 0).
 
         Returns the loss of the global batch (see `_weighted_loss`), the same on every rank of the
         last stage; None on the other pipeline stages.
         """
         try:
-            return self._train_step(inputs, targets)
+            return self._train_step(inputs, targets, positions, attention_mask)
         except Exception as e:  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
             own = _own_error(e)
             if own is None or own is e:
                 raise
             raise own from None
 
-    def _train_step(self, inputs, targets):
+    def _train_step(self, inputs, targets, positions=None, attention_mask=None):
         m = self.options.microbatches
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={m}.")
-        inputs, targets = self._shard_sequence(inputs, targets)
+        inputs, targets = self._shard_sequence(inputs, targets, positions, attention_mask)
         if self.plan.pp > 1:
             self._check_same_shapes(inputs, targets)
         last_stage = self.plan.stage == self.plan.pp - 1

@@ -60,7 +60,10 @@ import torch.distributed as dist
 
 from gradsched.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, row_chunks,
                                    rows_for_backward, unflat_kv)
-from gradsched.ring_checks import ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call
+from gradsched.masks import check_mask_args
+from gradsched.ring_checks import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
+                                   check_masked_call)
+from gradsched.ring_masked import MaskedRingAttention
 from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, forward_ends, fewest_roundings_default, window_ends
 
 _c10d = torch.ops._c10d_functional
@@ -204,7 +207,8 @@ def group_rank_and_size(group) -> tuple[int, int]:
 def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: float | None = None,
                    accumulate: str = "fp32", comm: str = "ring", load_balance: bool = True,
                    return_lse: bool = False, call: str = "ring_attention",
-                   fewest_roundings: bool | None = None):
+                   fewest_roundings: bool | None = None, window: int | None = None,
+                   position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None):
     """Attention of local q over the K/V of every rank of the CP group `group_name`.
 
     q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
@@ -215,6 +219,12 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     each row's output is rounded fewer times; the kernels compute masked blocks densely, so it
     is slower (benchmarks/cp_speed.py shows both). None: on for the CPU kernel only
     (`fewest_roundings_default`).
+
+    Masks (gradsched.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
+    a new one wherever positions do not step by 1) and `key_padding` (bool, False: a pad), the
+    latter two [B or 1, L], this rank's slice in the same layout as q. The ring then runs
+    gradsched.ring_masked (steps with nothing to compute skipped); comm='a2a' applies the mask to
+    its whole-sequence call.
     """
     if fewest_roundings is None:
         fewest_roundings = fewest_roundings_default(q.device.type)
@@ -222,6 +232,13 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
                          cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                          comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type)
+    check_mask_args(call, causal=causal, window=window, position_ids=position_ids, key_padding=key_padding,
+                    seq_len=q.shape[2], batch=q.shape[0])
+    if window is not None and window >= q.shape[2] * cp:
+        window = None  # a window over the whole sequence is plain causal attention
+    masked = window is not None or position_ids is not None or key_padding is not None
+    if masked:
+        check_masked_call(call, comm=comm, cp=cp, local_len=q.shape[2], load_balance=load_balance)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.ulysses)
@@ -230,7 +247,13 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                                      "that return it (flash-attn's return_attn_probs / LSE).")
         from gradsched.ulysses import ulysses_attention
         return ulysses_attention(q, k, v, group_name, cp, causal=causal, scale=float(scale),
-                                 load_balance=load_balance)
+                                 load_balance=load_balance, window=window, position_ids=position_ids,
+                                 key_padding=key_padding)
+    if masked:
+        out, lse = MaskedRingAttention.apply(q, k, v, position_ids, key_padding, group_name, rank, cp, causal,
+                                             float(scale), accumulate, load_balance, window,
+                                             bool(fewest_roundings))
+        return (out, lse) if return_lse else out
     out, lse = _RingAttention.apply(q, k, v, group_name, rank, cp, causal, float(scale),
                                     accumulate, comm, load_balance, bool(fewest_roundings))
     return (out, lse) if return_lse else out

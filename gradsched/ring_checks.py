@@ -57,6 +57,17 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            "the numerics targets.")
 
 
+def check_masked_call(call: str, *, comm: str, cp: int, local_len: int, load_balance: bool) -> None:
+    """What a call with a window, documents or padding needs beyond check_attention_call."""
+    if comm == "allgather":
+        raise unsupported(call, "comm='allgather' does not take a window, documents or padding",
+                          "Use comm='ring' (steps with nothing to compute are skipped) or comm='a2a'.")
+    if comm != "a2a" and load_balance and cp > 1 and local_len % 2:
+        raise unsupported(call, f"the sequence length {local_len * cp} is not divisible by 2*cp={2 * cp} "
+                          "(load-balanced layout)", f"Pad the sequence to a multiple of {2 * cp} "
+                          "(gradsched.cp_layout.pad_to_multiple, with key_padding False on the pads).")
+
+
 def _check_heads_for_a2a(call: str, q_heads: int, kv_heads: int, cp: int) -> None:
     """comm='a2a' splits the heads over the CP ranks: every rank must get whole query heads and
     whole GQA groups."""

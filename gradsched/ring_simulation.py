@@ -11,7 +11,11 @@ import torch
 
 from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, row_chunks, rows_for_backward,
                                    unflat_kv)
-from gradsched.ring_checks import check_attention_call, unsupported
+from gradsched.masks import check_mask_args
+from gradsched.ring_checks import check_attention_call, check_masked_call, unsupported
+from gradsched.ring_masked import MaskedRing, natural_tokens
+from gradsched.ring_masked import rank_backward as masked_backward
+from gradsched.ring_masked import rank_forward as masked_forward
 from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, fewest_roundings_default, forward_ends, window_ends
 
 def rank_forward(ring: Ring, q, ks, vs):
@@ -91,19 +95,86 @@ def rank_windows(ring: Ring, ends: set[int], ks, vs):
             window = []
 
 
+def masked_rings(q, cp: int, causal: bool, load_balance: bool, scale: float, accumulate: str, window,
+                 per_token: bool, fewest_roundings: bool) -> list[MaskedRing]:
+    parts = 2 if load_balance and cp > 1 else 1
+    return [MaskedRing(r, cp, causal, load_balance, scale, accumulate, q.shape[2] // (cp * parts), window,
+                       per_token, fewest_roundings) for r in range(cp)]
+
+
+def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, scale: float, load_balance: bool,
+                         grad_out, fewest_roundings: bool, window, position_ids, key_padding) -> SimResult:
+    """simulate_ring with masks: gradsched.ring_masked's blocks, merges and sums on every rank in
+    turn, dK/dV summed at their owner in step order, as the ring sums them."""
+    from gradsched.cp_layout import shard, unshard
+
+    check_mask_args("simulate_ring", causal=causal, window=window, position_ids=position_ids,
+                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
+    check_masked_call("simulate_ring", comm="ring", cp=cp, local_len=q.shape[2] // cp, load_balance=load_balance)
+    rings = masked_rings(q, cp, causal, load_balance, scale, accumulate, window,
+                         position_ids is not None or key_padding is not None, fewest_roundings)
+    tokens = natural_tokens(position_ids, key_padding)
+
+    def cut(x):
+        return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+
+    qs, ks, vs = cut(q), cut(k), cut(v)
+
+    def kv_at(r):
+        return lambda step: (ks[(r - step) % cp], vs[(r - step) % cp])
+
+    done = [masked_forward(ring, qs[r], kv_at(r), tokens) for r, ring in enumerate(rings)]
+    result = SimResult(unshard([f[0] for f in done], cp, dim=2, load_balance=load_balance),
+                       unshard([f[1] for f in done], cp, dim=2, load_balance=load_balance))
+    if grad_out is None:
+        return result
+    douts = cut(grad_out)
+    dtype = rings[0].acc_dtype(q.dtype)
+    got = [dict() for _ in range(cp)]  # got[owner][step]: the dK/dV of the rank holding owner's K/V at step
+    dqs = []
+    for r, ring in enumerate(rings):
+        def give_back(step, dkv, r=r):
+            got[(r - step) % cp][step] = dkv
+        dqs.append(masked_backward(ring, qs[r], douts[r], done[r][2], done[r][1], kv_at(r), tokens,
+                                   ks[0].shape, vs[0].shape, give_back))
+    dks, dvs = [], []
+    for owner in range(cp):
+        dkv = torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device)
+        for step in sorted(got[owner]):
+            dkv.add_(got[owner][step])
+        dk, dv = unflat_kv(dkv, ks[0].shape, vs[0].shape)
+        dks.append(dk.to(k.dtype))
+        dvs.append(dv.to(v.dtype))
+    result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
+    result.dk = unshard(dks, cp, dim=2, load_balance=load_balance)
+    result.dv = unshard(dvs, cp, dim=2, load_balance=load_balance)
+    return result
+
+
 def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp32", *,
                   scale: float | None = None, load_balance: bool = True,
                   grad_out: torch.Tensor | None = None,
-                  fewest_roundings: bool | None = None) -> SimResult:
+                  fewest_roundings: bool | None = None, window: int | None = None,
+                  position_ids: torch.Tensor | None = None,
+                  key_padding: torch.Tensor | None = None) -> SimResult:
     """Run the cp-rank ring on one device: same blocks, merges and sums, in the same order.
 
     q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
     are cut into the cp_layout shards, every rank's steps run in turn, and the results
-    are put back in natural order.
+    are put back in natural order. Masks (window, position_ids, key_padding: gradsched.masks)
+    over the whole sequence in natural order run the masked ring (gradsched.ring_masked).
     """
     from gradsched.cp_layout import shard, unshard
 
     fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    if window is not None and window >= q.shape[2]:
+        window = None
+    if window is not None or position_ids is not None or key_padding is not None:
+        return simulate_masked_ring(q, k, v, cp, causal, accumulate, scale=float(scale), load_balance=load_balance,
+                                    grad_out=grad_out, fewest_roundings=fewest_roundings, window=window,
+                                    position_ids=position_ids, key_padding=key_padding)
     if q.shape[2] % cp:
         raise unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
                            f"by cp={cp}", "Pad the sequence.")

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from gradsched.cp_layout import layout_order
+from gradsched.masks import visible
+from gradsched.ring_masked import gather_tokens
 
 _c10d = torch.ops._c10d_functional
 
@@ -98,13 +100,24 @@ class _KVToHeads(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, group_name: str, cp: int, *, causal: bool, scale: float,
-                      load_balance: bool) -> torch.Tensor:
+                      load_balance: bool, window: int | None = None, position_ids=None,
+                      key_padding=None) -> torch.Tensor:
     """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's tokens in the cp_layout order; returns
-    out [B, Hq, L, Dv] in the same order."""
+    out [B, Hq, L, Dv] in the same order. A window, documents (position_ids) or padding
+    (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.masks)."""
+    mask = None
+    if window is not None or position_ids is not None or key_padding is not None:
+        seq = q.shape[2] * cp
+        doc, keep = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, seq)
+        idx = torch.arange(seq, device=q.device)
+        mask = visible(idx, idx, causal=causal, window=window, q_doc=doc, k_doc=doc, k_keep=keep)[:, None]
     order = layout_order(q.shape[2] * cp, cp, load_balance, device=q.device)  # slot -> position
     natural = torch.argsort(order)  # position -> slot
     q = _Redistribute.apply(q, cp, group_name, True).index_select(2, natural)
     # GQA: the key/value heads expanded to this rank's query heads, as a single device's call sees them
     k, v = (_KVToHeads.apply(t, cp, group_name, order, natural, q.shape[1]) for t in (k, v))
-    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    else:  # a bool mask: a query that sees nothing gets zeros, as in one process
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return _Redistribute.apply(out.index_select(2, order), cp, group_name, False)

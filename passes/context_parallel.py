@@ -2,8 +2,9 @@
 
 Invariant: after `lower_attention_to_ring`, every attention call of a recognised form
 (ATTENTION_FORMS: F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
-aten._scaled_dot_product_flash_attention_for_cpu, and flash-attn's flash_attn_func when
-flash-attn is importable) is a call of `spec.attention` (the runtime's ring,
+aten._scaled_dot_product_flash_attention_for_cpu, flash-attn's flash_attn_func when
+flash-attn is importable, and gradsched.masks.attention, whose window, position ids and padding
+are handed to the ring as they are) is a call of `spec.attention` (the runtime's ring,
 gradsched.ring_attention.ring_attention, handed in: passes never import the runtime) over
 the CP group `spec.cp_group_name`: the same inputs, an output of the same shape and dtype, and
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
@@ -60,6 +61,8 @@ class AttentionForm:
     scale: str
     seq_major: bool = False  # [B, L, H, D] (flash-attn) instead of [B, H, L, D]
     returns_lse: bool = False  # returns (out, lse, ...) instead of out
+    causal_default: bool | None = None  # when the call does not say (None: the spec's default)
+    masks: tuple[str, ...] = ()  # mask arguments handed to the ring as they are (gradsched.masks)
 
 
 SDPA = AttentionForm("scaled_dot_product_attention", _SDPA_PARAMS, "is_causal", "scale")
@@ -68,6 +71,12 @@ CPU_FLASH = AttentionForm("aten._scaled_dot_product_flash_attention_for_cpu", _C
                           "is_causal", "scale", returns_lse=True)
 FLASH_ATTN = AttentionForm("flash_attn_func", _FLASH_ATTN_PARAMS, "causal", "softmax_scale",
                            seq_major=True)
+MASKED = AttentionForm("gradsched.attention", ("q", "k", "v", "causal", "scale", "window", "position_ids",
+                                               "key_padding"), "causal", "scale", causal_default=True,
+                       masks=("window", "position_ids", "key_padding"))
+"""gradsched.masks.attention: a window, documents and padding as arguments, not a mask tensor. Found by
+the custom op's name (the pass does not import gradsched)."""
+_MASKED_OPS = ("gradsched.attention", "gradsched.attention.default")
 
 
 def _attention_forms() -> dict:
@@ -122,7 +131,7 @@ def lower_attention_to_ring(gm: fx.GraphModule, spec: RingSpec) -> tuple[fx.Grap
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
             continue
-        form = ATTENTION_FORMS.get(node.target)
+        form = MASKED if str(node.target) in _MASKED_OPS else ATTENTION_FORMS.get(node.target)
         if form is None:
             if _looks_like_attention(node):
                 report.left_local.append(f"{node.name} ({_target_name(node)}) at {_where(node)}")
@@ -138,9 +147,11 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     accumulate, comm, load_balance = spec.accumulate, spec.comm, spec.load_balance
     args = _bind(node, form)
     call = f"{form.name} '{node.name}' at {_where(node)}"
+    if form.causal_default is not None:
+        causal_default = form.causal_default
     causal = args.get(form.causal, causal_default if causal_default is not None else False)
     dropout_p = args.get("dropout_p", 0.0)
-    for pname, value in ((form.causal, causal), ("dropout_p", dropout_p)):
+    for pname, value in ((form.causal, causal), ("dropout_p", dropout_p), ("window", args.get("window"))):
         if isinstance(value, fx.Node):
             raise RingAttentionError(f"{call}: {pname} is computed at run time, so the pass cannot "
                                      "tell which ring to build. Make it a Python constant.")
@@ -165,7 +176,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
             spec.attention, (q, k, v, group),
             {"causal": bool(causal), "scale": args.get(form.scale), "accumulate": accumulate,
              "comm": comm, "load_balance": load_balance, "return_lse": form.returns_lse,
-             "call": call})
+             "call": call, **{m: args[m] for m in form.masks if args.get(m) is not None}})
         _copy_meta(node, ring)
         result = ring
         if form.seq_major:

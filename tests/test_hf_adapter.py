@@ -1,77 +1,112 @@
-"""gradsched.hf.CausalLM computes exactly the model's own attention, or refuses (one process, tiny configs)."""
+"""gradsched.hf.CausalLM computes exactly the model's own attention (HF's SDPA path with the masks HF
+builds itself: sliding windows, packed documents, padding), or refuses (one process, tiny configs)."""
 import copy
 
 import pytest
 import torch
 import transformers
 
-from gradsched.hf import CAUSAL_SDPA, CausalLM, UnsupportedAttention, tiny_gpt2, tiny_llama
+from gradsched.hf import ATTENTION, CausalLM, UnsupportedAttention, tiny_gpt2, tiny_llama
 
+SEQ = 24
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=32, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+             num_key_value_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=None)
 
 
-def logits_match_the_models_own(model):
-    """The adapter's logits against the same weights under HF's own attention (sdpa, causal mask)."""
+def packed_positions():
+    """Two rows of packed documents (7 + 12 + 5 and 1 + 23 tokens), positions restarting at 0."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in ((7, 12, 5), (1, 23))])
+
+
+def left_and_right_padding():
+    mask = torch.ones(2, SEQ, dtype=torch.long)
+    mask[0, :5] = 0
+    mask[1, -6:] = 0
+    return mask
+
+
+def logits_error(model, positions=None, attention_mask=None, documents=True):
+    """Max |adapter - HF's own sdpa| over the logits of every token, same weights and inputs."""
     torch.manual_seed(0)
     own = copy.deepcopy(model).eval()
-    adapted = CausalLM(model).eval()
-    tokens = torch.randint(0, 64, (2, 16))
-    pos = torch.arange(16).expand(2, 16)
+    own.set_attn_implementation("sdpa")
+    adapted = CausalLM(model, documents=documents).eval()
+    tokens = torch.randint(0, 64, (2, SEQ))
+    pos = torch.arange(SEQ).expand(2, SEQ) if positions is None else positions
     with torch.no_grad():
-        want = own(input_ids=tokens, position_ids=pos, use_cache=False).logits
-        got = adapted(tokens, pos)
+        want = own(input_ids=tokens, position_ids=pos, attention_mask=attention_mask, use_cache=False).logits
+        got = adapted(tokens, pos, attention_mask)
     return (got - want).abs().max().item()
 
 
-def test_mistral_with_a_sliding_window_is_refused_naming_model_layer_and_window():
-    model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=4))
-    with pytest.raises(UnsupportedAttention) as err:
-        CausalLM(model)
-    msg = str(err.value)
-    assert "MistralForCausalLM" in msg and "model.layers.0.self_attn" in msg and "sliding window of 4" in msg
+def mistral(window=5):
+    return transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, sliding_window=window))
 
 
-def test_qwen2_with_use_sliding_window_is_refused():
-    config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=4, max_window_layers=0)
-    with pytest.raises(UnsupportedAttention, match="Qwen2ForCausalLM.*sliding window of 4"):
-        CausalLM(transformers.Qwen2ForCausalLM(config))
+def qwen2(window=5):
+    config = transformers.Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=window, max_window_layers=0)
+    return transformers.Qwen2ForCausalLM(config)
 
 
-def test_qwen2_without_sliding_window_is_accepted_and_computes_the_models_attention():
-    config = transformers.Qwen2Config(**SMALL, use_sliding_window=False, sliding_window=4)
-    config._attn_implementation = "sdpa"
-    assert logits_match_the_models_own(transformers.Qwen2ForCausalLM(config)) < 1e-5
-
-
-def test_gemma3_with_local_layers_is_refused_naming_a_local_layer():
-    config = transformers.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=4,
+def gemma3(window=5):
+    config = transformers.Gemma3TextConfig(**SMALL, head_dim=8, sliding_window=window,
                                            layer_types=["sliding_attention", "full_attention"])
-    with pytest.raises(UnsupportedAttention) as err:
-        CausalLM(transformers.Gemma3ForCausalLM(config))
-    assert "Gemma3ForCausalLM" in str(err.value) and "layer 0" in str(err.value)
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+
+
+@pytest.mark.parametrize("build", [mistral, qwen2, gemma3], ids=["mistral", "qwen2", "gemma3"])
+def test_sliding_windows_compute_the_models_own_attention(build):
+    assert logits_error(build()) < 1e-5
+
+
+@pytest.mark.parametrize("build", [llama, mistral, gemma3], ids=["llama", "mistral", "gemma3"])
+def test_packed_documents_compute_the_models_own_attention(build):
+    assert logits_error(build(), positions=packed_positions()) < 1e-5
+
+
+def test_packed_documents_differ_from_one_document():
+    """The comparison above can fail: attending across documents changes the logits."""
+    assert logits_error(llama(), positions=packed_positions(), documents=False) > 1e-3
+
+
+@pytest.mark.parametrize("build", [llama, mistral], ids=["llama", "mistral"])
+def test_padding_masks_compute_the_models_own_attention_on_every_real_token(build):
+    torch.manual_seed(0)
+    model = build()
+    own = copy.deepcopy(model).eval()
+    own.set_attn_implementation("sdpa")
+    mask = left_and_right_padding()
+    tokens = torch.randint(0, 64, (2, SEQ))
+    pos = torch.arange(SEQ).expand(2, SEQ)
+    with torch.no_grad():
+        want = own(input_ids=tokens, position_ids=pos, attention_mask=mask, use_cache=False).logits
+        got = CausalLM(model).eval()(tokens, pos, mask)
+    real = mask.bool()  # HF's outputs at left pads (rows that see nothing) are its own convention
+    assert (got - want)[real].abs().max() < 1e-5
 
 
 @pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
 def test_models_without_windows_compute_their_own_attention(build):
-    adapted, _ = build()
-    model = adapted.model
-    model.set_attn_implementation("sdpa")  # undo the adapter's choice: compare with HF's own path
-    assert logits_match_the_models_own(model) < 1e-5
+    adapted, _ = build(seq=SEQ)
+    assert logits_error(adapted.model, documents=False) < 1e-5
 
 
-def test_a_padding_mask_is_refused_instead_of_ignored():
-    adapted, _ = tiny_llama()
-    tokens = torch.randint(0, 64, (2, 16))
-    mask = torch.ones(2, 16, dtype=torch.long)
-    mask[0, :4] = 0  # left padding
-    with pytest.raises(UnsupportedAttention, match="attention_mask"):
-        adapted(tokens, torch.arange(16).expand(2, 16), attention_mask=mask)
+def test_logit_soft_capping_is_refused_naming_model_and_layer():
+    config = transformers.Gemma2Config(**SMALL, head_dim=8, attn_logit_softcapping=50.0)
+    with pytest.raises(UnsupportedAttention) as err:
+        CausalLM(transformers.Gemma2ForCausalLM(config))
+    assert "Gemma2ForCausalLM" in str(err.value) and "soft-capping" in str(err.value)
 
 
-def test_the_attention_function_itself_refuses_a_sliding_window():
+def test_the_attention_function_itself_refuses_soft_capping_and_dropout():
     CausalLM(tiny_llama()[0].model)  # registers the attention function
-    fn = transformers.AttentionInterface()[CAUSAL_SDPA]
+    fn = transformers.AttentionInterface()[ATTENTION]
     q = torch.randn(1, 4, 8, 8)
-    with pytest.raises(UnsupportedAttention, match="sliding_window=4"):
-        fn(torch.nn.Module(), q, q, q, None, sliding_window=4)
+    with pytest.raises(UnsupportedAttention, match="softcap=30.0"):
+        fn(torch.nn.Module(), q, q, q, None, softcap=30.0)
+    with pytest.raises(UnsupportedAttention, match="dropout=0.1"):
+        fn(torch.nn.Module(), q, q, q, None, dropout=0.1)

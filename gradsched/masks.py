@@ -1,0 +1,185 @@
+"""Attention masks from a model's own inputs: sliding windows, packed documents, padding.
+
+One call, `attention(q, k, v, causal=, window=, position_ids=, key_padding=)`, says what a
+model attends to in terms the context-parallel lowering can keep: a window in tokens (a
+Python int), and two per-token tensors. In one process it is SDPA with the mask built
+here; under context parallelism the lowering pass (passes.context_parallel) turns it into
+the ring or Ulysses with the same arguments, where the per-token tensors are each rank's
+slice in gradsched.cp_layout's order and the ring builds each block's part of the mask.
+
+Conventions (Hugging Face's, so that an HF model trains as in one process):
+- window W: query i sees key j only if i - j < W (masking_utils.sliding_window_overlay);
+  always together with causal attention.
+- documents: position ids that do not step by exactly 1 start a new document
+  (masking_utils.find_packed_sequence_indices): `document_ids`. Explicit boundaries
+  (`cu_seqlens`) become such position ids with `positions_from_cu_seqlens`.
+- padding: key_padding[b, j] False hides key j from every query (HF masks keys only).
+
+A query that sees no key at all (a left pad) gets zeros: every kernel here reports such a row's
+log-sum-exp as 0, finite, and its gradients as zeros.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] position ids in natural order -> [B, S] document index (0, 1, ...): a new document
+    wherever the position does not step by exactly 1."""
+    step = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1)
+    return (step != 1).cumsum(-1)
+
+
+def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Document boundaries [0, n1, n1+n2, ..., S] (flash-attn's cu_seqlens) -> [1, S] position
+    ids restarting at 0 in every document, the form `attention` takes."""
+    total = int(cu_seqlens[-1]) if total is None else total
+    idx = torch.arange(total, device=cu_seqlens.device)
+    starts = cu_seqlens[torch.searchsorted(cu_seqlens, idx, right=True) - 1]
+    return (idx - starts)[None]
+
+
+def visible(q_idx, k_idx, *, causal: bool, window: int | None, q_doc=None, k_doc=None,
+            k_keep=None) -> torch.Tensor:
+    """Which keys each query sees: bool [B or 1, Lq, Lk]. q_idx/k_idx: global token indices
+    ([Lq], [Lk]); q_doc/k_doc: document ids ([B, Lq], [B, Lk]); k_keep: bool [B, Lk] (False:
+    padding)."""
+    qi, kj = q_idx[:, None], k_idx[None, :]
+    seen = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool, device=q_idx.device)
+    if causal:
+        seen = seen & (kj <= qi)
+    if window is not None:
+        seen = seen & (qi - kj < window)
+    seen = seen[None]
+    if q_doc is not None:
+        seen = seen & (q_doc[:, :, None] == k_doc[:, None, :])
+    if k_keep is not None:
+        seen = seen & k_keep[:, None, :].bool()
+    return seen
+
+
+def check_mask_args(call: str, *, causal: bool, window, position_ids, key_padding, seq_len: int | None,
+                    batch: int | None) -> None:
+    """Refuse what `attention` cannot mean, naming the argument."""
+    from gradsched.ring_checks import unsupported
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise unsupported(call, f"window={window!r} is not a positive number of tokens",
+                              "Pass the model's sliding window as an int, or None for full attention.")
+        if not causal:
+            raise unsupported(call, "a sliding window without causal attention",
+                              "Windows are causal (query i sees keys i-window+1..i): pass causal=True.")
+    for name, t in (("position_ids", position_ids), ("key_padding", key_padding)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise unsupported(call, f"{name} must be a 2-D tensor [batch, sequence], got "
+                              f"{getattr(t, 'shape', type(t).__name__)}", f"Pass {name} as [B, S].")
+        if seq_len is not None and t.shape[1] != seq_len:
+            raise unsupported(call, f"{name} covers {t.shape[1]} tokens, and the queries {seq_len}",
+                              f"Pass {name} for the same tokens as q (each rank's slice under context "
+                              "parallelism).")
+        if batch is not None and t.shape[0] not in (1, batch):
+            raise unsupported(call, f"{name} has batch {t.shape[0]}, and q {batch}", "Pass one row per "
+                              "sequence, or one row for all.")
+
+
+def dense_mask(seq_len: int, device, *, causal: bool, window: int | None, position_ids=None,
+               key_padding=None) -> torch.Tensor | None:
+    """The bool mask [B or 1, 1, S, S] of a whole sequence in natural order (None: full)."""
+    if not causal and window is None and position_ids is None and key_padding is None:
+        return None
+    idx = torch.arange(seq_len, device=device)
+    doc = document_ids(position_ids) if position_ids is not None else None
+    return visible(idx, idx, causal=causal, window=window, q_doc=doc, k_doc=doc,
+                   k_keep=key_padding)[:, None]
+
+
+def _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding):
+    if window is None and position_ids is None and key_padding is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    mask = dense_mask(q.shape[2], q.device, causal=causal, window=window, position_ids=position_ids,
+                      key_padding=key_padding)
+    # SDPA with a bool mask gives a query that sees nothing zeros, and zero gradients.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+# A custom op, not a Python function: Dynamo and torch.export (the pipeline split) both keep it as
+# one node, so the context-parallel lowering finds its window, positions and padding as arguments.
+# In one process its body runs eagerly; its backward recomputes the forward under autograd.
+@torch.library.custom_op("gradsched::attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
+                  window: Optional[int], position_ids: Optional[torch.Tensor],
+                  key_padding: Optional[torch.Tensor]) -> torch.Tensor:
+    return _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding).contiguous()
+
+
+@_attention_op.register_fake
+def _(q, k, v, causal, scale, window, position_ids, key_padding):
+    return q.new_empty((*q.shape[:-1], v.shape[-1]))
+
+
+@torch.library.custom_op("gradsched::attention_backward", mutates_args=())
+def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                           scale: Optional[float], window: Optional[int], position_ids: Optional[torch.Tensor],
+                           key_padding: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # The math of softmax attention's backward, in fp32: a custom op's body runs below autograd, so
+    # it cannot differentiate its forward again.
+    groups = q.shape[1] // k.shape[1]
+    qf, kf, vf, g = (x.float() for x in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), grad))
+    s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = (qf @ kf.transpose(-1, -2)) * s
+    mask = dense_mask(q.shape[2], q.device, causal=causal, window=window, position_ids=position_ids,
+                      key_padding=key_padding)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    p = torch.softmax(scores, -1).nan_to_num(0.0)  # a query that sees nothing: no weights
+    dv = p.transpose(-1, -2) @ g
+    dp = g @ vf.transpose(-1, -2)
+    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+    dq = (ds @ kf) * s
+    dk = (ds.transpose(-1, -2) @ qf) * s
+    if groups > 1:
+        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
+        dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
+    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+
+
+@_attention_backward_op.register_fake
+def _(grad, q, k, v, causal, scale, window, position_ids, key_padding):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the body returns
+
+
+def _setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:3])
+    ctx.rest = inputs[3:]
+
+
+def _backward(ctx, grad):
+    q, k, v = ctx.saved_tensors
+    dq, dk, dv = torch.ops.gradsched.attention_backward(grad, q, k, v, *ctx.rest)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup)
+
+
+def attention(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
+              position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None):
+    """Attention with a sliding window, packed documents and padding given as what they are.
+
+    q [B, Hq, S, D], k/v [B, Hkv, S, D] (Hq a multiple of Hkv); window: tokens (causal only);
+    position_ids [B or 1, S]: documents (a new one where positions do not step by 1); key_padding
+    [B or 1, S] bool: False hides that key. One node (torch.ops.gradsched.attention) in a traced
+    graph, which passes.context_parallel lowers to the ring or Ulysses with the same arguments.
+    """
+    check_mask_args("gradsched.attention", causal=causal, window=window, position_ids=position_ids,
+                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
+    if key_padding is not None:
+        key_padding = key_padding.bool()
+    return torch.ops.gradsched.attention(q, k, v, causal, scale, window, position_ids, key_padding)

@@ -1,0 +1,326 @@
+"""The ring with masks: sliding windows, packed documents and padding (see gradsched.masks).
+
+What a block of (local row chunk, visiting K/V chunk) sees follows from two things:
+- the layout and the window, known when the graph is built: a block is `empty` (every key
+  in the future or past the window), `full`, a causal `square` (the diagonal with a window
+  no shorter than the chunk) or `partial`. `MaskedRing.steps` keeps only the ring steps at
+  which some rank has a non-empty block: a window shorter than a chunk needs steps 0, 1
+  and cp-1 of the load-balanced layout (or 0 and 1 of the plain one), whatever cp is.
+- the per-token document ids and padding, known only at run time: gathered once over the
+  CP group at the start of the forward (a few integers per token), in natural order, and
+  applied as a mask to every block they touch. Blocks they empty are computed as masked
+  (the graph cannot branch on data), never skipped by guess.
+
+Since steps are skipped, K/V do not hop rank to rank: at step s every rank receives the K/V
+of rank r-s straight from it (one all_to_all_single per step, issued a step ahead), and in
+backward sends the dK/dV it computed for them straight back. Every rank issues the same
+collectives in the same order (the steps are a function of cp, the layout and the window).
+
+Numerics as the ring's (`accumulate`): block outs merge in fp32 through their LSE, dq/dK/dV
+sum in fp32; with `fewest_roundings` (the CPU default) a row chunk's blocks of all steps are one
+kernel call (backward: calls of at most the kernel's dq tile). A row that sees nothing in a
+block has its block LSE set to -inf before the merge (the kernels report 0); a row that sees
+nothing at all gets zeros and LSE 0, like the single device's kernel, and zero gradients.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from gradsched.attention_kernels import attend, attend_backward, dq_tile
+from gradsched.cp_layout import layout_order, rank_chunks
+from gradsched.masks import document_ids, visible
+from gradsched.ring_blocks import expand_heads, flat_kv, operands, reduce_heads, unflat_kv
+from gradsched.ring_schedule import rounds_results
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class MaskedRing:
+    """One masked ring's static settings."""
+    rank: int
+    cp: int
+    causal: bool
+    load_balance: bool
+    scale: float
+    accumulate: str
+    chunk: int  # tokens per layout chunk
+    window: int | None = None
+    per_token: bool = False  # document ids or padding: every block gets a mask tensor
+    fewest_roundings: bool = False
+    group_name: str = ""
+
+    # the same operand rule as the ring's (ring_blocks.operands reads only .accumulate)
+    def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        return dtype if self.accumulate == "input" else torch.float32
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        return rank_chunks(rank, self.cp, self.load_balance) if self.cp > 1 else (0,)
+
+    def kind(self, qid: int, kid: int) -> str:
+        """What row chunk qid sees of key chunk kid, from positions and the window alone."""
+        if not self.causal:
+            return "full"
+        c, w = self.chunk, self.window
+        qa, qb, ka, kb = qid * c, qid * c + c - 1, kid * c, kid * c + c - 1
+        if ka > qb or (w is not None and kb <= qa - w):
+            return "empty"
+        if kb <= qa and (w is None or qb - ka < w):
+            return "full"
+        if qid == kid and (w is None or c - 1 < w):
+            return "square"
+        return "partial"
+
+    def pieces(self, rank: int, step: int) -> list[tuple[int, int, int, str]]:
+        """Non-empty blocks of `rank` at `step`: (local row part, key part, key chunk, kind)."""
+        src = (rank - step) % self.cp
+        out = []
+        for p, qid in enumerate(self.chunks(rank)):
+            for j, kid in enumerate(self.chunks(src)):
+                kind = self.kind(qid, kid)
+                if kind != "empty":
+                    out.append((p, j, kid, kind))
+        return out
+
+    def steps(self) -> list[int]:
+        """Ring steps at which any rank has something to compute (the same list on every rank)."""
+        return [s for s in range(self.cp) if any(self.pieces(r, s) for r in range(self.cp))]
+
+    def groups(self, rounded: bool) -> list[list[int]]:
+        """Steps whose blocks share kernel calls: all of them with fewest_roundings in a reduced
+        dtype (one call per row chunk: one rounding), else one step each."""
+        steps = self.steps()
+        return [steps] if self.fewest_roundings and rounded else [[s] for s in steps]
+
+
+# ---- per-token metadata ------------------------------------------------------------------
+
+def gather_tokens(position_ids, key_padding, cp: int, group_name: str, load_balance: bool, seq_len: int):
+    """(document ids, key keep mask) over the whole sequence in natural order, [B', S] each
+    (None where not given), from each rank's slice in cp_layout's order: one all-gather."""
+    if position_ids is None and key_padding is None:
+        return None, None
+    parts = [t.long() for t in (position_ids, key_padding) if t is not None]
+    rows = max(t.shape[0] for t in parts)
+    local = torch.stack([t.expand(rows, -1) for t in parts])  # [n, B', L]
+    if cp == 1:
+        full = local
+    else:
+        got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.contiguous(), cp, group_name))
+        laid = got.view(cp, *local.shape).permute(1, 2, 0, 3).reshape(local.shape[0], rows, seq_len)
+        full = laid.index_select(2, torch.argsort(layout_order(seq_len, cp, load_balance, device=local.device)))
+    doc = document_ids(full[0]) if position_ids is not None else None
+    keep = full[-1].bool() if key_padding is not None else None
+    return doc, keep
+
+
+def natural_tokens(position_ids, key_padding):
+    """gather_tokens for one process: the whole sequence is already in natural order."""
+    doc = document_ids(position_ids) if position_ids is not None else None
+    return doc, (key_padding.bool() if key_padding is not None else None)
+
+
+# ---- one kernel call ---------------------------------------------------------------------
+
+def _call_mask(ring: MaskedRing, qid: int, pieces, tokens, dtype, device):
+    """(is_causal, additive mask [B', 1, rows, n] or None, rows that see nothing [B', 1, rows] or
+    None) of one call: row chunk qid over `pieces` [(kid, kind)] in order."""
+    kinds = [kind for _, kind in pieces]
+    if not ring.per_token and all(k == "full" for k in kinds):
+        return False, None, None
+    if not ring.per_token and kinds == ["square"]:
+        return True, None, None
+    c = ring.chunk
+    q_idx = torch.arange(qid * c, qid * c + c, device=device)
+    k_idx = torch.cat([torch.arange(kid * c, kid * c + c, device=device) for kid, _ in pieces])
+    doc, keep = tokens
+    seen = visible(q_idx, k_idx, causal=ring.causal, window=ring.window,
+                   q_doc=doc.index_select(1, q_idx) if doc is not None else None,
+                   k_doc=doc.index_select(1, k_idx) if doc is not None else None,
+                   k_keep=keep.index_select(1, k_idx) if keep is not None else None)[:, None]
+    mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))
+    return False, mask, ~seen.any(-1)
+
+
+def _calls(ring: MaskedRing, rank: int, group: list[int], limit: int | None):
+    """Kernel calls of `rank` over a group of steps: (row part, [(step, key part, key chunk,
+    kind)]) with keys in sequence order, at most `limit` keys per call."""
+    per_row: dict[int, list] = {}
+    for step in group:
+        for p, j, kid, kind in ring.pieces(rank, step):
+            per_row.setdefault(p, []).append((step, j, kid, kind))
+    calls = []
+    for p in sorted(per_row):
+        pieces = sorted(per_row[p], key=lambda x: x[2])
+        most = len(pieces) if limit is None else max(1, limit // ring.chunk)
+        for i in range(0, len(pieces), most):
+            calls.append((p, pieces[i:i + most]))
+    return calls
+
+
+def _keys(pieces, kvs, parts: int):
+    """One call's K and V: the pieces' chunks of the visiting K/V, concatenated in order."""
+    ks = [kvs[step][0].chunk(parts, dim=2)[j] for step, j, _, _ in pieces]
+    vs = [kvs[step][1].chunk(parts, dim=2)[j] for step, j, _, _ in pieces]
+    return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))
+
+
+def _merge(out, lse, block_out, block_lse, dtype):
+    """gradsched.ring_blocks.merge_block with rows that have seen nothing yet (LSE -inf)."""
+    block_out = block_out.to(dtype)
+    if out is None:
+        return block_out, block_lse
+    joint = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(joint), torch.zeros_like(joint), joint)
+    w_run = torch.exp(lse - safe).unsqueeze(-1).to(dtype)
+    w_blk = torch.exp(block_lse - safe).unsqueeze(-1).to(dtype)
+    return out * w_run + block_out * w_blk, joint
+
+
+# ---- one rank's forward and backward, whatever moves the K/V ---------------------------------
+
+def rank_forward(ring: MaskedRing, q, kv_at, tokens):
+    """(out in q's dtype, LSE fp32, out to save for backward). kv_at(step) -> (k, v) of the K/V
+    held at that step (called in step order)."""
+    heads, parts = q.shape[1], len(ring.chunks(ring.rank))
+    dtype = ring.acc_dtype(q.dtype)
+    (qo,) = operands(ring, q)
+    rows = qo.chunk(parts, dim=2)
+    state = [[None, None] for _ in range(parts)]
+    for group in ring.groups(rounds_results(q.dtype)):
+        kvs = {s: operands(ring, *kv_at(s)) for s in group}
+        for p, pieces in _calls(ring, ring.rank, group, None):
+            qid = ring.chunks(ring.rank)[p]
+            k, v = _keys(pieces, kvs, parts)
+            causal, mask, none = _call_mask(ring, qid, [(kid, kind) for _, _, kid, kind in pieces], tokens,
+                                            rows[p].dtype, q.device)
+            out, lse = attend(rows[p], expand_heads(k, heads), expand_heads(v, heads), causal, ring.scale, mask,
+                              ring.accumulate)
+            if none is not None:
+                lse = lse.masked_fill(none, float("-inf"))
+            state[p] = list(_merge(state[p][0], state[p][1], out, lse, dtype))
+    outs, lses = [], []
+    for p, (out, lse) in enumerate(state):
+        if out is None:  # nothing visible to this row chunk anywhere
+            out = torch.zeros(rows[p].shape[:-1] + (q.shape[-1],), dtype=dtype, device=q.device)
+            lse = torch.full(rows[p].shape[:-1], float("-inf"), device=q.device)
+        outs.append(out)
+        lses.append(lse)
+    out = torch.cat(outs, dim=2) if parts > 1 else outs[0]
+    lse = torch.cat(lses, dim=2) if parts > 1 else lses[0]
+    lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)  # nothing seen: 0, as the kernels
+    final = out.to(q.dtype)
+    return final, lse, (out if ring.accumulate == "fp32_blocks" else final)
+
+
+def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vshape, give_back):
+    """dq (accumulation dtype); give_back(step, flat dK/dV) for every step in order."""
+    heads, parts = q.shape[1], len(ring.chunks(ring.rank))
+    dtype = ring.acc_dtype(q.dtype)
+    qo, outo, douto = operands(ring, q, out, dout)
+    rows = [x.chunk(parts, dim=2) for x in (qo, outo, douto.contiguous(), lse)]
+    dq = [torch.zeros(r.shape, dtype=dtype, device=q.device) for r in rows[0]]
+    limit = dq_tile(q.device.type, q.dtype)
+    for group in ring.groups(rounds_results(q.dtype)):
+        kvs = {s: operands(ring, *kv_at(s)) for s in group}
+        grads = {s: torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device) for s in group}
+        for p, pieces in _calls(ring, ring.rank, group, limit):
+            qid = ring.chunks(ring.rank)[p]
+            k, v = _keys(pieces, kvs, parts)
+            causal, mask, _ = _call_mask(ring, qid, [(kid, kind) for _, _, kid, kind in pieces], tokens,
+                                         rows[0][p].dtype, q.device)
+            gq, gk, gv = attend_backward(rows[2][p].contiguous(), rows[0][p].contiguous(), expand_heads(k, heads),
+                                         expand_heads(v, heads), rows[1][p].contiguous(), rows[3][p].contiguous(),
+                                         causal, ring.scale, mask, ring.accumulate)
+            dq[p] += gq
+            gk = reduce_heads(gk, kshape[1], dtype).split(ring.chunk, dim=2)
+            gv = reduce_heads(gv, vshape[1], dtype).split(ring.chunk, dim=2)
+            for (step, j, _, _), dk, dv in zip(pieces, gk, gv):
+                gk_all, gv_all = unflat_kv(grads[step], kshape, vshape)
+                gk_all.chunk(parts, dim=2)[j].add_(dk)
+                gv_all.chunk(parts, dim=2)[j].add_(dv)
+        for s in group:
+            give_back(s, grads[s])
+    return torch.cat(dq, dim=2) if parts > 1 else dq[0]
+
+
+# ---- the ring: K/V and their gradients straight between ranks ------------------------------
+
+def _exchange(flat, ring: MaskedRing, distance: int):
+    """Send `flat` to rank+distance, receive the same size from rank-distance."""
+    n, send, recv = flat.numel(), [0] * ring.cp, [0] * ring.cp
+    send[(ring.rank + distance) % ring.cp] = n
+    recv[(ring.rank - distance) % ring.cp] = n
+    return _c10d.all_to_all_single(flat, recv, send, ring.group_name)
+
+
+class _Fetch:
+    """kv_at for the ring: the K/V of step s arrive from rank r-s; the next step's transfer is in
+    flight while this one computes."""
+
+    def __init__(self, k, v, ring: MaskedRing):
+        self.kshape, self.vshape, self.ring = k.shape, v.shape, ring
+        self.flat, self.own = flat_kv(k, v), (k, v)
+        self.steps = [s for s in ring.steps() if s > 0]
+        self.pending = {}
+        self._issue(0)
+
+    def _issue(self, i):
+        if i < len(self.steps):
+            self.pending[self.steps[i]] = _exchange(self.flat, self.ring, self.steps[i])
+
+    def __call__(self, step):
+        if step == 0:
+            return self.own
+        got = _c10d.wait_tensor(self.pending.pop(step))
+        self._issue(self.steps.index(step) + 1)
+        return unflat_kv(got, self.kshape, self.vshape)
+
+
+def _ring_forward(q, k, v, tokens, ring):
+    return rank_forward(ring, q, _Fetch(k, v, ring), tokens)
+
+
+def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
+    dtype = ring.acc_dtype(q.dtype)
+    own = torch.zeros(k.numel() + v.numel(), dtype=dtype, device=q.device)
+    back = []
+
+    def give_back(step, dkv):
+        if step == 0:
+            own.add_(dkv)
+        else:  # to the K/V's owner, rank r - step; ours come from rank r + step
+            back.append(_exchange(dkv, ring, -step))
+
+    dq = rank_backward(ring, q, dout, out, lse, _Fetch(k, v, ring), tokens, k.shape, v.shape, give_back)
+    for got in back:  # summed in step order, as the simulation does
+        own.add_(_c10d.wait_tensor(got))
+    dk, dv = unflat_kv(own, k.shape, v.shape)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class MaskedRingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, position_ids, key_padding, group_name, rank, cp, causal, scale, accumulate,
+                load_balance, window, fewest_roundings):
+        parts = len(rank_chunks(rank, cp, load_balance)) if cp > 1 else 1
+        ring = MaskedRing(rank, cp, causal, load_balance, scale, accumulate, q.shape[2] // parts, window,
+                          position_ids is not None or key_padding is not None, fewest_roundings, group_name)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        doc, keep = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, q.shape[2] * cp)
+        out, lse, saved = _ring_forward(q, k, v, (doc, keep), ring)
+        ctx.ring, ctx.has = ring, (doc is not None, keep is not None)
+        ctx.save_for_backward(q, k, v, saved, lse, *(t for t in (doc, keep) if t is not None))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse, *rest = ctx.saved_tensors
+        doc = rest.pop(0) if ctx.has[0] else None
+        keep = rest.pop(0) if ctx.has[1] else None
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, (doc, keep), ctx.ring)
+        return (dq, dk, dv) + (None,) * 11

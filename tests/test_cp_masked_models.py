@@ -1,0 +1,70 @@
+"""Hugging Face models with sliding windows, packed documents and padding train under context
+parallelism exactly as in one process.
+
+Each case trains a tiny tied HF model (sequence 64, window 16) on 4 gloo processes and compares,
+against the unsplit model in one process under HF's own SDPA attention (HF builds its own window,
+packed-document and padding masks: nothing of gradsched's mask code is in the reference), the
+first step's reduced gradients, every step's loss and every parameter (SGD: the update is the
+gradient, so scale errors show), as tests/test_option_matrix.py does.
+"""
+import pytest
+
+from gradsched.launch import run_ranks
+from test_option_matrix import assert_like_one_process
+from tied_training import Job, rank_jobs
+from tiny_gpt import GPTConfig
+
+
+def job(model, pp, dp, cp, inputs="", **options):
+    return Job(pp=pp, dp=dp, cp=cp, steps=2, optimizer="sgd", lr=0.5, labels="full", model=model, inputs=inputs,
+               config=GPTConfig(seq=64), options={"compiler": "eager", **options})
+
+
+CASES = {
+    "mistral_window16_dp2_cp2_a2a": job("hf_mistral", 1, 2, 2, comm="a2a"),
+    "qwen2_window16_dp2_cp2": job("hf_qwen2", 1, 2, 2),
+    "gemma3_local_and_global_dp2_cp2": job("hf_gemma3", 1, 2, 2),
+    "llama_packed_documents_dp4": job("hf_llama_documents", 1, 4, 1, inputs="documents"),
+    "llama_packed_documents_dp2_cp2_a2a": job("hf_llama_documents", 1, 2, 2, inputs="documents", comm="a2a"),
+    "mistral_packed_documents_and_window_dp2_cp2": job("hf_mistral", 1, 2, 2, inputs="documents"),
+    "llama_right_padding_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="padding"),
+    "mistral_window16_cp4": job("hf_mistral", 1, 1, 4),
+}
+
+INDUCTOR = {
+    "inductor_mistral_window16_dp2_cp2": job("hf_mistral", 1, 2, 2, compiler="inductor"),
+    "inductor_llama_packed_documents_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="documents",
+                                                   compiler="inductor"),
+}
+
+
+def _run(cases):
+    per_rank = run_ranks(rank_jobs, 4, list(cases.values()), timeout_s=900)
+    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
+
+
+@pytest.fixture(scope="module")
+def eager_runs():
+    return _run(CASES)
+
+
+@pytest.fixture(scope="module")
+def inductor_runs():
+    return _run(INDUCTOR)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_masked_model_trains_like_one_process(name, eager_runs):
+    assert_like_one_process(CASES[name], eager_runs[name])
+
+
+@pytest.mark.parametrize("name", list(INDUCTOR))
+def test_masked_model_under_inductor_trains_like_one_process(name, inductor_runs):
+    assert_like_one_process(INDUCTOR[name], inductor_runs[name])
+
+
+def test_masks_on_pipeline_stages_are_refused_not_trained_wrong():
+    # pp2 x cp2 Mistral (window 16) gave gradients 1.5x off one process: refused until fixed
+    runs = run_ranks(rank_jobs, 4, [job("hf_mistral", 2, 1, 2, microbatches=2)], timeout_s=300)
+    errors = [r[0][1] for r in runs if isinstance(r[0], tuple)]
+    assert errors and any("not yet supported on pipeline stages" in e for e in errors), errors
