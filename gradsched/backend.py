@@ -93,20 +93,6 @@ def _sync_for_backend_by_name(plan, options: dict, params):
     return GradSync(setup, opts)
 
 
-def _refuse_masks_on_pipeline_stages(gm: fx.GraphModule, plan) -> None:
-    """Windows, documents and padding (gradsched.masks.attention) train wrong on pipeline stages
-    (gradients differ from one process, seen with a Mistral at pp2 x cp2): refused until fixed."""
-    if plan is None or plan.pp == 1:
-        return
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and str(node.target).startswith("gradsched.attention"):
-            from gradsched.ring_checks import RingAttentionError
-            raise RingAttentionError(
-                f"attention '{node.name}' has a sliding window, packed documents or padding, and pp={plan.pp}: "
-                "masked attention is not yet supported on pipeline stages. Train with pp=1 (dp and cp work), "
-                "or without the mask (gradsched.hf.CausalLM(model, documents=False), no window).")
-
-
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
                       plan=None):
     """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
@@ -118,7 +104,6 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         grad_sync = _sync_for_backend_by_name(plan, options, [p for _, p in params.values()])
     opts = grad_sync.options
     compiler = opts.compiler
-    _refuse_masks_on_pipeline_stages(gm, plan)
     if plan.cp > 1:
         lower_attention(gm, example_inputs, plan, opts)
 

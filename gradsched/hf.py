@@ -115,7 +115,10 @@ class CausalLM(nn.Module):
 
     def forward(self, tokens, positions=None, attention_mask=None):
         # Computed values, not the model's inputs, reach the attention layers: a pipeline split gives only
-        # the first stage the inputs and sends later stages what was computed before them.
+        # the first stage the inputs and sends later stages what was computed before them. Tokens are
+        # touched first: the split orders the first stage's inputs by first use, and the pipeline
+        # schedule hands them over in call order (positions first would swap them, silently).
+        tokens = tokens.clone()
         if positions is not None:
             positions = positions.clone()
         if attention_mask is not None:

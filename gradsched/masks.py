@@ -180,6 +180,9 @@ def attention(q, k, v, causal: bool = True, scale: float | None = None, window: 
     """
     check_mask_args("gradsched.attention", causal=causal, window=window, position_ids=position_ids,
                     key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
+    if window is None and position_ids is None and key_padding is None:  # no mask: the plain SDPA call
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     if key_padding is not None:
         key_padding = key_padding.bool()
     return torch.ops.gradsched.attention(q, k, v, causal, scale, window, position_ids, key_padding)

@@ -31,6 +31,20 @@ from .user_errors import StageError, check_split_points, in_stage, in_user_code,
 SCHEDULES = ("auto", "1f1b", "gpipe")
 
 
+def _check_first_stage_inputs(pipe, model_name: str) -> None:
+    """The split orders the first stage's inputs by first use in forward, and the schedule hands
+    them over in the model's call order: if they differ, every input would land in another's place
+    (tokens read as positions: silently wrong). Refuse instead."""
+    def inputs(gm):
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    called, first = inputs(pipe.split_gm), inputs(pipe.get_stage_module(0))
+    if first != called[:len(first)]:
+        raise StageError(f"splitting {model_name} into pipeline stages: its first stage takes its inputs in "
+                         f"the order {first}, and the model is called with {called}: the pipeline would pass "
+                         "each in another's place. Make the model's forward use its inputs first in the order "
+                         "it takes them (e.g. touch them in that order at the top of forward).")
+
+
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
                  ties=None, fullgraph=True, ignore_index=-100, **options):
@@ -108,6 +122,7 @@ class ParallelModel:
                     "instead), or a weight shared with a module the split moves to another stage; try other "
                     "split points.")
             raise err from e
+        _check_first_stage_inputs(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)

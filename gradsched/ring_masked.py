@@ -11,10 +11,10 @@ What a block of (local row chunk, visiting K/V chunk) sees follows from two thin
   applied as a mask to every block they touch. Blocks they empty are computed as masked
   (the graph cannot branch on data), never skipped by guess.
 
-Since steps are skipped, K/V do not hop rank to rank: at step s every rank receives the K/V
-of rank r-s straight from it (one all_to_all_single per step, issued a step ahead), and in
-backward sends the dK/dV it computed for them straight back. Every rank issues the same
-collectives in the same order (the steps are a function of cp, the layout and the window).
+Since steps are skipped, K/V do not hop rank to rank: every rank receives the K/V of rank r-s
+for each needed step s straight from it, all in one all_to_all_single, and in backward sends the
+dK/dV it computed for them straight back in another. Every rank issues the same collectives in
+the same order (the steps are a function of cp, the layout and the window).
 
 Numerics as the ring's (`accumulate`): block outs merge in fp32 through their LSE, dq/dK/dV
 sum in fp32; with `fewest_roundings` (the CPU default) a row chunk's blocks of all steps are one
@@ -248,56 +248,56 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
 
 
 # ---- the ring: K/V and their gradients straight between ranks ------------------------------
+# One all_to_all_single for all visiting K/V and one for all dK/dV going back: collectives that share
+# no data could be reordered by the partitioner or Inductor differently on each rank (a hang or a
+# size mismatch), while these two are ordered by data (dK/dV need the K/V). The K/V of all steps are
+# held at once, as the fewest_roundings schedule (one call over all steps) needs them anyway.
 
-def _exchange(flat, ring: MaskedRing, distance: int):
-    """Send `flat` to rank+distance, receive the same size from rank-distance."""
-    n, send, recv = flat.numel(), [0] * ring.cp, [0] * ring.cp
-    send[(ring.rank + distance) % ring.cp] = n
-    recv[(ring.rank - distance) % ring.cp] = n
-    return _c10d.all_to_all_single(flat, recv, send, ring.group_name)
-
-
-class _Fetch:
-    """kv_at for the ring: the K/V of step s arrive from rank r-s; the next step's transfer is in
-    flight while this one computes."""
-
-    def __init__(self, k, v, ring: MaskedRing):
-        self.kshape, self.vshape, self.ring = k.shape, v.shape, ring
-        self.flat, self.own = flat_kv(k, v), (k, v)
-        self.steps = [s for s in ring.steps() if s > 0]
-        self.pending = {}
-        self._issue(0)
-
-    def _issue(self, i):
-        if i < len(self.steps):
-            self.pending[self.steps[i]] = _exchange(self.flat, self.ring, self.steps[i])
-
-    def __call__(self, step):
-        if step == 0:
-            return self.own
-        got = _c10d.wait_tensor(self.pending.pop(step))
-        self._issue(self.steps.index(step) + 1)
-        return unflat_kv(got, self.kshape, self.vshape)
+def _all_visits(k, v, ring: MaskedRing):
+    """kv_at for the ring: every rank sends its K/V to rank r+s for each step s > 0 and receives the
+    K/V of rank r-s, in one all-to-all."""
+    steps = [s for s in ring.steps() if s > 0]
+    if not steps:
+        return lambda step: (k, v)
+    flat, n, cp, r = flat_kv(k, v), k.numel() + v.numel(), ring.cp, ring.rank
+    send, recv = [0] * cp, [0] * cp
+    for s in steps:
+        send[(r + s) % cp] = n
+        recv[(r - s) % cp] = n
+    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat.repeat(len(steps)), recv, send, ring.group_name))
+    sources = sorted((r - s) % cp for s in steps)  # the received parts, in source rank order
+    parts = {s: got[sources.index((r - s) % cp) * n:][:n] for s in steps}
+    return lambda step: (k, v) if step == 0 else unflat_kv(parts[step], k.shape, v.shape)
 
 
 def _ring_forward(q, k, v, tokens, ring):
-    return rank_forward(ring, q, _Fetch(k, v, ring), tokens)
+    return rank_forward(ring, q, _all_visits(k, v, ring), tokens)
 
 
 def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
     dtype = ring.acc_dtype(q.dtype)
     own = torch.zeros(k.numel() + v.numel(), dtype=dtype, device=q.device)
-    back = []
+    grads = {}
 
     def give_back(step, dkv):
         if step == 0:
             own.add_(dkv)
-        else:  # to the K/V's owner, rank r - step; ours come from rank r + step
-            back.append(_exchange(dkv, ring, -step))
+        else:
+            grads[step] = dkv
 
-    dq = rank_backward(ring, q, dout, out, lse, _Fetch(k, v, ring), tokens, k.shape, v.shape, give_back)
-    for got in back:  # summed in step order, as the simulation does
-        own.add_(_c10d.wait_tensor(got))
+    dq = rank_backward(ring, q, dout, out, lse, _all_visits(k, v, ring), tokens, k.shape, v.shape, give_back)
+    if grads:  # to each K/V's owner, rank r - s; ours come from ranks r + s
+        cp, r, n = ring.cp, ring.rank, own.numel()
+        by_dest = sorted(grads, key=lambda s: (r - s) % cp)
+        send, recv = [0] * cp, [0] * cp
+        for s in grads:
+            send[(r - s) % cp] = n
+            recv[(r + s) % cp] = n
+        got = _c10d.wait_tensor(_c10d.all_to_all_single(torch.cat([grads[s] for s in by_dest]), recv, send,
+                                                        ring.group_name))
+        sources = sorted((r + s) % cp for s in grads)
+        for s in sorted(grads):  # summed in step order, as the simulation does
+            own.add_(got[sources.index((r + s) % cp) * n:][:n])
     dk, dv = unflat_kv(own, k.shape, v.shape)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

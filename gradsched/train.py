@@ -71,7 +71,7 @@ def build_model(spec: str, seed: int):
     else:
         model = transformers.AutoModelForCausalLM.from_config(config)
     model.loss_type = "ForCausalLM"  # else GPT-2 logs a warning_once, which breaks fullgraph
-    return CausalLM(model), config.num_hidden_layers
+    return CausalLM(model, documents=False), config.num_hidden_layers  # positions are 0..S-1: one document
 
 
 def split_points(model: torch.nn.Module, layers: int, pp: int) -> list[str]:
