@@ -47,13 +47,13 @@ def _local_sequence_length(example_inputs) -> int | None:
     return None
 
 
-def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
+def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
     """Context parallelism: attention becomes ring steps over the plan's CP group."""
     from gradsched import ring_attention as ring
     from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
     _, report = lower_attention_to_ring(gm, RingSpec(
         plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention, check=ring.check_attention_call,
-        accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance))
+        accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance, a2a_degree=opts.a2a_degree))
     from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
     local = report.left_local + hand_written_attention(gm) + \
         unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
@@ -62,6 +62,7 @@ def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts) -> None:
             f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "
             f"slice of the sequence it would be silently wrong: {'; '.join(local)}. Express it with "
             "torch.nn.functional.scaled_dot_product_attention, or train this model with cp=1.")
+    return report
 
 
 def _sync_for_backend_by_name(plan, options: dict, params):
@@ -105,7 +106,7 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     opts = grad_sync.options
     compiler = opts.compiler
     if plan.cp > 1:
-        lower_attention(gm, example_inputs, plan, opts)
+        grad_sync.attention_reports.append(lower_attention(gm, example_inputs, plan, opts))
 
     def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
         descs = bw_gm.graph.output_node().meta.get("desc") or []

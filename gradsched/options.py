@@ -9,7 +9,7 @@ MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
 PLACEMENTS = ("auto", "split", "backward", "flush")
 COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
-COMMS = ("ring", "allgather", "a2a")
+COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
 
 
 @dataclass
@@ -46,7 +46,10 @@ class SyncOptions:
     dump_dir: str | None = None
     # context parallelism (plan.cp > 1): how attention is lowered into ring steps
     accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
-    comm: str = "ring"  # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.ulysses)
+    # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.ulysses) | "hybrid" (a2a over
+    # groups of a2a_degree consecutive CP ranks x ring over the rest) | "auto" (gradsched.cp_comm picks per call)
+    comm: str = "ring"
+    a2a_degree: int | None = None  # comm="hybrid" only; None: the largest the heads allow
     load_balance: bool = True  # causal layout: rank r holds chunks r and 2cp-1-r
 
     def __post_init__(self):
@@ -62,6 +65,11 @@ class SyncOptions:
             bad("accumulate", self.accumulate, ACCUMULATE)
         if self.comm not in COMMS:
             bad("comm", self.comm, COMMS)
+        if self.a2a_degree is not None and self.comm != "hybrid":
+            raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} is for comm='hybrid' (comm is "
+                             f"{self.comm!r}): set comm='hybrid', or leave a2a_degree unset.")
+        if self.a2a_degree is not None and self.a2a_degree < 1:
+            raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} must be >= 1 (a divisor of cp).")
         if self.bucket_mb <= 0:
             raise ValueError(f"gradsched option bucket_mb={self.bucket_mb} must be > 0.")
         if self.microbatches < 1:

@@ -57,3 +57,29 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
             out.append(f"   verifier ({sg.where} graph): " + ("ok" if verdict.ok else "HAZARD"))
             out += [f"     {line}" for line in verdict.proofs + verdict.hazards]
     return "\n".join(out)
+
+
+def attention_report(reports) -> str:
+    """Context parallelism: per lowered attention call, the scheme (comm='auto' says what it picked and why)
+    and the ring steps it runs (a window shorter than the sequence skips steps). '' when nothing was lowered."""
+    from gradsched.ring_masked import MaskedRing
+    out = []
+    for rep in reports:
+        if not rep.lowered:
+            continue
+        out.append(f"   context parallel (cp={rep.cp}): {len(rep.lowered)} attention call(s) lowered")
+        for c in rep.lowered:
+            ring_cp = rep.cp // c.a2a_degree if c.comm in ("hybrid", "a2a") else rep.cp
+            line = f"     {c.node}: {c.comm}" + (f" (a2a over {c.a2a_degree} x ring over {ring_cp})"
+                                                 if c.comm == "hybrid" else "")
+            if c.window is not None:
+                line += f", window {c.window}"
+            if c.comm != "a2a" and ring_cp > 1 and c.local_len:
+                joint = c.local_len * (c.a2a_degree if c.comm == "hybrid" else 1)
+                parts = 2 if c.load_balance else 1
+                window = c.window if c.window is not None and c.window < joint * ring_cp else None
+                steps = MaskedRing(0, ring_cp, c.causal, c.load_balance, 1.0, "fp32", joint // parts,
+                                   window).steps()
+                line += f", ring steps {steps} of {ring_cp}"
+            out.append(line + (f" -- {c.why}" if c.why else ""))
+    return "\n" + "\n".join(out) if out else ""

@@ -208,7 +208,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                    accumulate: str = "fp32", comm: str = "ring", load_balance: bool = True,
                    return_lse: bool = False, call: str = "ring_attention",
                    fewest_roundings: bool | None = None, window: int | None = None,
-                   position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None):
+                   position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
+                   a2a_degree: int | None = None):
     """Attention of local q over the K/V of every rank of the CP group `group_name`.
 
     q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
@@ -225,22 +226,35 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     latter two [B or 1, L], this rank's slice in the same layout as q. The ring then runs
     gradsched.ring_masked (steps with nothing to compute skipped); comm='a2a' applies the mask to
     its whole-sequence call.
+
+    comm='hybrid': all-to-all over groups of `a2a_degree` consecutive CP ranks (None: the largest the
+    heads allow), ring over the rest (gradsched.hybrid). comm='auto': gradsched.cp_comm picks.
     """
     if fewest_roundings is None:
         fewest_roundings = fewest_roundings_default(q.device.type)
     rank, cp = group_rank_and_size(group_name)
-    check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
-                         cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
-                         comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type)
     check_mask_args(call, causal=causal, window=window, position_ids=position_ids, key_padding=key_padding,
                     seq_len=q.shape[2], batch=q.shape[0])
     if window is not None and window >= q.shape[2] * cp:
         window = None  # a window over the whole sequence is plain causal attention
     masked = window is not None or position_ids is not None or key_padding is not None
+    choice = check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
+                                  cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
+                                  comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
+                                  a2a_degree=a2a_degree, masked=masked)
+    comm = choice.comm
     if masked:
         check_masked_call(call, comm=comm, cp=cp, local_len=q.shape[2], load_balance=load_balance)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
+    if comm == "hybrid" and 1 < choice.a2a < cp:  # a2a over a sub-group x ring over the rest
+        from gradsched.hybrid import hybrid_attention
+        return hybrid_attention(q, k, v, group_name, cp, choice.a2a, ring_call=ring_attention, causal=causal,
+                                scale=float(scale), load_balance=load_balance, return_lse=return_lse,
+                                position_ids=position_ids, key_padding=key_padding, accumulate=accumulate,
+                                fewest_roundings=fewest_roundings, window=window, call=call)
+    if comm == "hybrid":  # a degree of cp is Ulysses, of 1 the ring
+        comm = "a2a" if choice.a2a == cp else "ring"
     if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.ulysses)
         if return_lse:
             raise RingAttentionError(f"{call}: comm='a2a' returns no log-sum-exp. Use comm='ring' for calls "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from gradsched.passes.context_parallel import RingAttentionError  # one error for the pass and the ring
 
 ACCUMULATE_MODES = ("fp32", "input", "fp32_blocks")
-COMM_MODES = ("ring", "allgather", "a2a")
+COMM_MODES = ("ring", "allgather", "a2a", "hybrid", "auto")
 
 
 def unsupported(call: str, reason: str, fix: str) -> RingAttentionError:
@@ -16,12 +16,13 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                          causal: bool, load_balance: bool = True, dropout_p: float = 0.0,
                          has_attn_mask: bool = False, accumulate: str = "fp32",
                          comm: str = "ring", fewest_roundings: bool = False,
-                         device_type: str = "cpu") -> None:
+                         device_type: str = "cpu", a2a_degree: int | None = None, masked: bool = False):
     """Raise RingAttentionError if the ring cannot run this attention call.
 
     `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
     at model.py:41"). Shared by the runtime op and the lowering pass, which calls it
-    at compile time.
+    at compile time. Returns the scheme that runs it (gradsched.cp_comm.CommChoice: `comm` and
+    `a2a_degree` resolved, 'auto' chosen from the heads, cp and whether the call is `masked`).
     """
     if has_attn_mask:
         raise unsupported(call, "it passes an attn_mask tensor, and the ring computes only causal "
@@ -45,8 +46,16 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            f"Choose one of {ACCUMULATE_MODES}.")
     if comm not in COMM_MODES:
         raise unsupported(call, f"comm={comm!r} is unknown", f"Choose one of {COMM_MODES}.")
-    if comm == "a2a":
-        _check_heads_for_a2a(call, q_heads, kv_heads, cp)
+    if a2a_degree is not None and comm != "hybrid":
+        raise unsupported(call, f"a2a_degree={a2a_degree} is set, and comm={comm!r} does not use it",
+                          "Set comm='hybrid' (all-to-all over a2a_degree ranks, ring over the rest), or leave "
+                          "a2a_degree unset.")
+    from gradsched.cp_comm import resolve_comm
+    choice = resolve_comm(comm, a2a_degree, call=call, q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked)
+    if choice.comm == "hybrid" and load_balance and local_len % 2:
+        raise unsupported(call, f"comm='hybrid' with the load-balanced layout needs an even local length, and "
+                          f"it is {local_len}", f"Pad the sequence to a multiple of {2 * cp}, or use "
+                          "load_balance=False.")
     if fewest_roundings and device_type != "cpu":
         # Its joined calls need a mask tensor, which on CUDA only the memory-efficient kernel
         # takes: measured on an H100 (torch 2.11) at 27% of the limit, and with wrong dq/dk
@@ -55,6 +64,7 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                            f"are on {device_type!r}", "Leave fewest_roundings off: on CUDA the "
                            "flash kernel sums each call in fp32, and the default schedule meets "
                            "the numerics targets.")
+    return choice
 
 
 def check_masked_call(call: str, *, comm: str, cp: int, local_len: int, load_balance: bool) -> None:
@@ -66,16 +76,3 @@ def check_masked_call(call: str, *, comm: str, cp: int, local_len: int, load_bal
         raise unsupported(call, f"the sequence length {local_len * cp} is not divisible by 2*cp={2 * cp} "
                           "(load-balanced layout)", f"Pad the sequence to a multiple of {2 * cp} "
                           "(gradsched.cp_layout.pad_to_multiple, with key_padding False on the pads).")
-
-
-def _check_heads_for_a2a(call: str, q_heads: int, kv_heads: int, cp: int) -> None:
-    """comm='a2a' splits the heads over the CP ranks: every rank must get whole query heads and
-    whole GQA groups."""
-    if q_heads % cp:
-        raise unsupported(call, f"comm='a2a' splits the {q_heads} query heads over cp={cp} ranks, and "
-                           f"{q_heads} is not divisible by {cp}", "Use comm='ring' (any head count), or a cp "
-                           f"that divides {q_heads}.")
-    if kv_heads % cp and cp % kv_heads:
-        raise unsupported(call, f"comm='a2a' needs the {kv_heads} key/value heads divisible by cp={cp}, or "
-                           "dividing it (then each is repeated to the ranks whose queries read it)",
-                           f"Use comm='ring', or a cp that {kv_heads} divides or that divides {kv_heads}.")

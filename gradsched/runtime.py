@@ -47,6 +47,7 @@ class GradSync:
         self.backward_calls = 0  # for reports and tests only: nothing is decided by counting
         self.sync_runs = 0  # steps whose gradients were reduced: once per optimizer step
         self.flush_seconds: list[float] = []  # wall time of each flush graph run
+        self.attention_reports: list = []  # ContextParallelReport of each compiled forward (cp > 1)
 
     @contextlib.contextmanager
     def step_boundary(self, last: bool):
@@ -164,7 +165,8 @@ class GradSync:
 
     def schedule_report(self) -> str:
         b = self._require_built()
-        return report.schedule_report(self.setup, b.plan, self.sync_graphs(), self.verdicts, self.options)
+        return (report.schedule_report(self.setup, b.plan, self.sync_graphs(), self.verdicts, self.options)
+                + report.attention_report(self.attention_reports))
 
     def tied_bytes_per_step(self) -> int:
         return sum(report.tied_bytes(sg.gm) for sg in self.sync_graphs())

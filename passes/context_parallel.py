@@ -43,8 +43,9 @@ class RingSpec:
     check: Callable  # (call, q_heads=, kv_heads=, local_len=, cp=, causal=, ...) raises RingAttentionError
     causal_default: bool | None = None  # causality of a call that does not state it (None: False)
     accumulate: str = "fp32"
-    comm: str = "ring"
+    comm: str = "ring"  # "ring" | "allgather" | "a2a" | "hybrid" | "auto" (resolved per call by `check`)
     load_balance: bool = True
+    a2a_degree: int | None = None  # comm="hybrid": the all-to-all group size (None: the largest the heads allow)
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _CPU_FLASH_PARAMS = ("query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale")
@@ -114,6 +115,12 @@ class LoweredAttention:
     q_heads: int | None
     kv_heads: int | None
     where: str  # the model source line, from the node's stack trace
+    comm: str = "ring"  # the scheme it runs with, and why (comm="auto" says what it picked)
+    a2a_degree: int = 1
+    why: str = ""
+    window: int | None = None
+    local_len: int | None = None  # one rank's slice of the sequence
+    load_balance: bool = True
 
 
 @dataclass
@@ -163,11 +170,16 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     q_heads = _int(q_shape, heads[0])
     kv_heads = _int(k_shape, heads[0])
     local_len = _int(q_shape, heads[1])
-    spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
-                         local_len=local_len if local_len is not None else 0, cp=cp,
-                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
-                         has_attn_mask=args.get("attn_mask") is not None,
-                         accumulate=accumulate, comm=comm)
+    masked = any(args.get(m) is not None for m in form.masks)
+    choice = spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
+                        local_len=local_len if local_len is not None else 0, cp=cp,
+                        causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
+                        has_attn_mask=args.get("attn_mask") is not None,
+                        accumulate=accumulate, comm=comm, a2a_degree=spec.a2a_degree, masked=masked)
+    a2a_degree = spec.a2a_degree
+    if choice is not None and q_heads is not None and kv_heads is not None:  # lower with what was chosen
+        comm = choice.comm
+        a2a_degree = choice.a2a if comm == "hybrid" else None
 
     with graph.inserting_before(node):
         if form.seq_major:
@@ -176,7 +188,8 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
             spec.attention, (q, k, v, group),
             {"causal": bool(causal), "scale": args.get(form.scale), "accumulate": accumulate,
              "comm": comm, "load_balance": load_balance, "return_lse": form.returns_lse,
-             "call": call, **{m: args[m] for m in form.masks if args.get(m) is not None}})
+             "call": call, **{m: args[m] for m in form.masks if args.get(m) is not None},
+             **({"a2a_degree": a2a_degree} if a2a_degree is not None else {})})
         _copy_meta(node, ring)
         result = ring
         if form.seq_major:
@@ -187,7 +200,9 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
             _copy_meta(node, result)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
-    return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node))
+    return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
+                            getattr(choice, "a2a", 1), getattr(choice, "why", ""), args.get("window"), local_len,
+                            load_balance)
 
 
 def _bind(node: fx.Node, form: AttentionForm) -> dict:

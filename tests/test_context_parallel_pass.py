@@ -248,3 +248,15 @@ def test_lowered_model_matches_full_sequence_attention_on_two_ranks():
         floor = 2 * world * torch.finfo(torch.float32).eps * r.abs().max().item()
         err, single_err = (g.double() - r).abs().max().item(), (s.double() - r).abs().max().item()
         assert err <= 2 * single_err + floor, f"output {i}: {err:.3g} > 2 x {single_err:.3g} + {floor:.3g}"
+
+
+def test_auto_is_resolved_per_call_at_compile_time_and_the_report_says_why():
+    gm, report = lower_with_report(dynamo_graph(two_layers, *qkv()), comm="auto")  # 4 / 2 heads over cp=2
+    assert [n.kwargs["comm"] for n in calls(gm, ring_attention)] == ["a2a", "a2a"]
+    assert [(c.comm, c.a2a_degree) for c in report.lowered] == [("a2a", 2)] * 2
+    assert "one unchanged kernel call" in report.lowered[0].why
+
+
+def test_hybrid_is_lowered_with_its_degree():
+    gm, report = lower_with_report(dynamo_graph(two_layers, *qkv()), cp=4, comm="hybrid")
+    assert [(n.kwargs["comm"], n.kwargs["a2a_degree"]) for n in calls(gm, ring_attention)] == [("hybrid", 2)] * 2

@@ -27,6 +27,8 @@ CASES = {
     "mistral_packed_documents_and_window_dp2_cp2": job("hf_mistral", 1, 2, 2, inputs="documents"),
     "llama_right_padding_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="padding"),
     "mistral_window16_cp4": job("hf_mistral", 1, 1, 4),
+    # all-to-all over CP ranks {0,1}, {2,3} x ring over {0,2}, {1,3}, with the window and documents
+    "qwen2_window16_packed_documents_cp4_hybrid": job("hf_qwen2", 1, 1, 4, inputs="documents", comm="hybrid"),
     # pipeline stages: positions reach the second stage's attention as a computed value
     "mistral_window16_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, microbatches=2),
 }

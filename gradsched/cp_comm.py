@@ -1,0 +1,106 @@
+"""Which collective scheme runs a context-parallel attention call: ring, a2a (Ulysses) or hybrid.
+
+`resolve_comm` turns the option (`comm`, `a2a_degree`) and the call's shape into a CommChoice:
+the scheme, its all-to-all degree (1: ring only; cp: all-to-all only) and why. An explicit choice
+the head counts cannot run is refused, naming the sizes and what would run. `comm="auto"` picks
+by these rules, in order:
+
+1. A mask (window, documents, padding) -> ring. The ring skips the blocks and steps nothing sees
+   (a window shorter than the sequence skips whole steps); the all-to-all's one call over the
+   whole sequence computes every masked element densely (with a mask tensor the kernels compute,
+   and read, all of it).
+2. Heads that split over all cp ranks without repeating a key/value head -> a2a: the unchanged
+   kernel over the whole sequence (no blocks to merge), and for moderate cp fewer bytes than the
+   ring (q, k, v and out cross once; the ring passes K/V cp - 1 times and dK/dV in fp32).
+3. Else the largest all-to-all degree a < cp that splits the heads without repeating -> hybrid:
+   a-th of the ring's steps, and the all-to-all stays among neighbouring ranks.
+4. Else a degree that needs key/value heads repeated (GQA with fewer groups than ranks) -> a2a or
+   hybrid with it, repeating being cheaper than the ring's cp - 1 passes;
+5. Else -> ring (any head count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradsched.ring_checks import unsupported
+
+
+@dataclass(frozen=True)
+class CommChoice:
+    comm: str  # "ring" | "allgather" | "a2a" | "hybrid"
+    a2a: int  # all-to-all degree: 1 for the ring, cp for a2a
+    why: str
+
+    def describe(self) -> str:
+        scheme = f"hybrid (a2a over {self.a2a} x ring)" if self.comm == "hybrid" else self.comm
+        return f"{scheme}: {self.why}"
+
+
+def heads_allow(q_heads: int, kv_heads: int, a: int) -> bool:
+    """Can an all-to-all of degree a give every rank whole query heads and whole GQA groups?"""
+    return q_heads % a == 0 and (kv_heads % a == 0 or a % kv_heads == 0)
+
+
+def _degrees(q_heads: int, kv_heads: int, cp: int) -> list[int]:
+    """All-to-all degrees > 1 that divide cp and that the heads allow, largest first."""
+    return [a for a in range(cp, 1, -1) if cp % a == 0 and heads_allow(q_heads, kv_heads, a)]
+
+
+def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool) -> CommChoice:
+    """comm='auto' (the rules in the module docstring)."""
+    if cp == 1:
+        return CommChoice("ring", 1, "cp=1: nothing to communicate")
+    if masked:
+        return CommChoice("ring", 1, "a mask: the ring skips blocks and steps nothing sees, an all-to-all "
+                          "would compute the whole masked square")
+    degrees = _degrees(q_heads, kv_heads, cp)
+    whole = [a for a in degrees if kv_heads % a == 0]
+    for pool, note in ((whole, ""), (degrees, f", each of the {kv_heads} key/value heads repeated")):
+        if pool:
+            a = pool[0]
+            if a == cp:
+                return CommChoice("a2a", cp, f"{q_heads} query / {kv_heads} key-value heads split over cp={cp}"
+                                  f"{note}: one unchanged kernel call, q/k/v/out cross once")
+            return CommChoice("hybrid", a, f"heads split over {a} of cp={cp} ranks at most{note}: all-to-all "
+                              f"over {a}, ring over {cp // a}")
+    return CommChoice("ring", 1, f"no all-to-all degree dividing cp={cp} splits {q_heads} query / "
+                      f"{kv_heads} key-value heads")
+
+
+def resolve_comm(comm: str, a2a_degree: int | None, *, call: str, q_heads: int, kv_heads: int, cp: int,
+                 masked: bool) -> CommChoice:
+    """The scheme a call runs with; raises RingAttentionError for one its heads cannot run."""
+    if comm == "auto":
+        return choose_comm(q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked)
+    if comm in ("ring", "allgather"):
+        return CommChoice(comm, 1, "asked for")
+    if comm == "a2a":
+        _check_degree(call, "comm='a2a'", f"cp={cp}", q_heads, kv_heads, cp, cp)
+        return CommChoice("a2a", cp, "asked for")
+    # hybrid
+    if a2a_degree is None:
+        inner = [a for a in _degrees(q_heads, kv_heads, cp) if a < cp]
+        if not inner:
+            raise unsupported(call, f"comm='hybrid' at cp={cp} needs an all-to-all degree a with 1 < a < {cp} "
+                              f"dividing {cp} that splits {q_heads} query and {kv_heads} key/value heads, and "
+                              "there is none", "Use comm='ring' (any head count), comm='a2a' if the heads "
+                              "split over all of cp, or comm='auto'.")
+        return CommChoice("hybrid", inner[0], f"asked for; a2a_degree {inner[0]}: the largest the heads allow")
+    if a2a_degree < 1 or cp % a2a_degree:
+        raise unsupported(call, f"a2a_degree={a2a_degree} does not divide cp={cp}",
+                          f"Choose a divisor of {cp} (the all-to-all group size; the ring runs over the rest).")
+    _check_degree(call, "comm='hybrid'", f"a2a_degree={a2a_degree}", q_heads, kv_heads, cp, a2a_degree)
+    return CommChoice("hybrid", a2a_degree, "asked for")
+
+
+def _check_degree(call: str, what: str, size: str, q_heads: int, kv_heads: int, cp: int, a: int) -> None:
+    others = [d for d in _degrees(q_heads, kv_heads, cp) if d != a]
+    alt = (f"all-to-all degrees that would: {others} (comm='hybrid', a2a_degree=...)" if others else
+           "no all-to-all degree would")
+    if q_heads % a:
+        raise unsupported(call, f"{what} splits the {q_heads} query heads over {size} ranks, and {q_heads} is not "
+                          f"divisible by {a}", f"Use comm='ring' (any head count) or comm='auto'; {alt}.")
+    if kv_heads % a and a % kv_heads:
+        raise unsupported(call, f"{what} needs the {kv_heads} key/value heads divisible by {size}, or dividing "
+                          "it (then each is repeated to the ranks whose queries read it)",
+                          f"Use comm='ring' or comm='auto'; {alt}.")
