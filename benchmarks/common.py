@@ -12,13 +12,15 @@ RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
 
-def emit(rows: list[dict], out: str | Path | None) -> None:
+def emit(rows: list[dict], out: str | Path | None, append: bool = False) -> None:
+    """append: add the lines to the file instead of replacing it."""
     for row in rows:
         print(json.dumps(row), flush=True)
     if out:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text("".join(json.dumps(row) + "\n" for row in rows))
-        print(f"wrote {out}", file=sys.stderr)
+        with open(out, "a" if append else "w") as f:
+            f.write("".join(json.dumps(row) + "\n" for row in rows))
+        print(f"{'appended to' if append else 'wrote'} {out}", file=sys.stderr)
 
 
 def median_of_slowest(ranks: list[dict], key: str = "step_times") -> float:

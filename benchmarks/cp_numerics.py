@@ -25,6 +25,21 @@ torch.distributed.tensor.experimental.context_parallel) with its default options
 the CPU flash op and the same shards, for comparison. Progress goes to stderr. The fp64 reference and the
 single-process run are computed once, in this process, before the ranks start; each
 rank builds the inputs itself from the seed.
+
+--mask window|document|padding (cpu only) measures the masked ring instead, simulated in this
+process by gradsched.ring_simulation.simulate_ring (every rank in turn, bit for bit the ring with
+comm="ring"; modes fp32, input, fp32_blocks, fp32+fast_schedule, torch's ring takes no masks).
+Masks are sized from --seq: a causal window of seq // 8 tokens (--window), five packed documents of
+pseudo-random lengths from the seed (position ids restarting at 0), or padded keys (even batch rows
+left-padded by seq // 7, their first queries see nothing; odd rows, or a batch of one,
+right-padded by seq // 5). The fp64 reference builds its bool mask here from the HF conventions,
+independently of gradsched.masks; the single device is the same CPU flash kernel with that mask
+as an additive 0/-inf mask. The statistics leave out what is zero everywhere by the mask's
+definition (queries that see nothing, keys nobody sees; left_out_max_abs: the ring's largest value
+there, 0 expected), and add floor_mean_abs_err, the error of rounding the fp64 answer once to
+--dtype (the rounding floor), with ratio_to_floor. Targets (the masking issue's): fp32
+ratio_to_single <= 1.0, fp32_blocks ratio_to_floor <= 1.02, per tensor: each such row gets
+meets_target. Masked rows are appended to the results file; every row has "mask" (null: none).
 """
 from __future__ import annotations
 
@@ -46,6 +61,9 @@ FAST = "fp32+fast_schedule"  # accumulate="fp32", fewest_roundings=False: no mas
 MODES = (*ACCUMULATE_MODES, FAST, "torch_ring")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TENSORS = ("out", "dq", "dk", "dv")
+MASKS = ("window", "document", "padding")
+MASK_MODES = (*ACCUMULATE_MODES, FAST)  # torch's ring takes no masks
+TARGETS = {"fp32": ("ratio_to_single", 1.0), "fp32_blocks": ("ratio_to_floor", 1.02)}  # masked runs
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_numerics.jsonl")
 
 
@@ -61,8 +79,50 @@ def make_inputs(cfg: dict):
             for h in (cfg["heads"], cfg["kv_heads"], cfg["kv_heads"], cfg["heads"])]
 
 
-def fp64_reference(q, k, v, dout, causal: bool):
-    """out, dq, dk, dv of softmax attention in float64, one (batch, kv head) at a time."""
+def mask_args(cfg: dict) -> tuple[dict, dict]:
+    """(simulate_ring's mask arguments, what they are for the results row) for cfg["mask"],
+    sized from the sequence so that they mean the same at any length."""
+    seq, batch = cfg["seq"], cfg["batch"]
+    if cfg["mask"] == "window":
+        window = cfg["window"] or seq // 8
+        return {"window": window}, {"window": window}
+    if cfg["mask"] == "document":  # 4 cuts drawn from the seed: 5 documents of unequal lengths
+        g = torch.Generator().manual_seed(cfg["seed"])
+        cuts = sorted((torch.randperm(seq - 1, generator=g)[:4] + 1).tolist())
+        lengths = [b - a for a, b in zip([0, *cuts], [*cuts, seq])]
+        return ({"position_ids": torch.cat([torch.arange(n) for n in lengths])[None]},
+                {"doc_lengths": lengths})
+    keep = torch.ones(batch, seq, dtype=torch.bool)
+    pads = []
+    for b in range(batch):  # left padding leaves queries that see nothing (causal): the edge case
+        left, right = (0, seq // 5) if b % 2 or batch == 1 else (seq // 7, 0)
+        keep[b, :left] = False
+        keep[b, seq - right:] = False
+        pads.append([left, right])
+    return {"key_padding": keep}, {"padding_left_right": pads}
+
+
+def visibility(cfg: dict, window=None, position_ids=None, key_padding=None) -> torch.Tensor:
+    """bool [B, S, S]: may query i see key j. Written from the HF conventions, not with
+    gradsched.masks, so that the reference shares no mask code with the ring."""
+    seq = cfg["seq"]
+    i, j = torch.arange(seq)[:, None], torch.arange(seq)[None]
+    m = torch.ones(1, seq, seq, dtype=torch.bool)
+    if cfg["causal"]:
+        m = m & (j <= i)
+    if window is not None:
+        m = m & (i - j < window)
+    if position_ids is not None:  # a new document wherever the position does not step by +1
+        doc = torch.nn.functional.pad((position_ids[:, 1:] != position_ids[:, :-1] + 1).cumsum(1), (1, 0))
+        m = m & (doc[:, :, None] == doc[:, None, :])
+    if key_padding is not None:
+        m = m & key_padding[:, None, :]
+    return m.expand(cfg["batch"], seq, seq)
+
+
+def fp64_reference(q, k, v, dout, causal: bool, visible=None):
+    """out, dq, dk, dv of softmax attention in float64, one (batch, kv head) at a time.
+    visible: bool [B, S, S] instead of causal; queries that see nothing get zeros."""
     groups = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1])
     n = q.shape[2]
@@ -76,20 +136,29 @@ def fp64_reference(q, k, v, dout, causal: bool):
             qh = q[b, heads].double().requires_grad_()
             kh, vh = (x[b, h].double().requires_grad_() for x in (k, v))
             scores = qh @ kh.T * scale
-            if mask is not None:
-                scores = scores.masked_fill(mask, float("-inf"))
-            oh = scores.softmax(-1) @ vh
+            if visible is not None:  # a row with no key: nan from softmax, zeros in the answer
+                probs = scores.masked_fill(~visible[b], float("-inf")).softmax(-1).nan_to_num(0.0)
+            else:
+                if mask is not None:
+                    scores = scores.masked_fill(mask, float("-inf"))
+                probs = scores.softmax(-1)
+            oh = probs @ vh
             oh.backward(dout[b, heads].double())
             out[b, heads], dq[b, heads], dk[b, h], dv[b, h] = oh.detach(), qh.grad, kh.grad, vh.grad
     return out, dq, dk, dv
 
 
-def single_process(q, k, v, dout, causal: bool):
-    """out, dq, dk, dv of the CPU flash kernel over the whole sequence, in the input dtype."""
+def single_process(q, k, v, dout, causal: bool, visible=None):
+    """out, dq, dk, dv of the CPU flash kernel over the whole sequence, in the input dtype.
+    visible: bool [B, S, S], passed as an additive 0/-inf mask instead of causal."""
     q, k, v = (x.clone().requires_grad_() for x in (q, k, v))
     groups = q.shape[1] // k.shape[1]
+    extra = {}
+    if visible is not None:
+        causal = False
+        extra["attn_mask"] = torch.zeros(visible.shape, dtype=q.dtype).masked_fill(~visible, float("-inf"))[:, None]
     out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 0.0, causal)
+        q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), 0.0, causal, **extra)
     out.backward(dout)
     return out.detach(), q.grad, k.grad, v.grad
 
@@ -126,6 +195,21 @@ def simulated_on_cuda(q, k, v, dout, cfg: dict, cp: int) -> dict:
         results[mode] = ((got.out, got.dq, got.dk, got.dv), time.perf_counter() - t0)
         log(f"simulated ring, accumulate={mode}: {results[mode][1]:.2f} s")
     os.environ.pop("GRADSCHED_BLOCK_KERNEL", None)
+    return results
+
+
+def simulated_masked(q, k, v, dout, cfg: dict, cp: int, masks: dict) -> dict:
+    """{mode: ((out, dq, dk, dv), seconds)} of the masked ring simulated in this process, every
+    rank in turn (seconds: all ranks together)."""
+    from gradsched.ring_simulation import simulate_ring
+
+    results = {}
+    for mode in cfg["modes"]:
+        t0 = time.perf_counter()
+        got = simulate_ring(q, k, v, cp, cfg["causal"], mode.split("+")[0], grad_out=dout,
+                            fewest_roundings=False if mode == FAST else None, **masks)
+        results[mode] = ((got.out, got.dq, got.dk, got.dv), time.perf_counter() - t0)
+        log(f"simulated masked ring, accumulate={mode}: {results[mode][1]:.1f} s")
     return results
 
 
@@ -192,6 +276,28 @@ def metrics(ring, single, ref) -> dict:
             "mismatch_vs_single": mismatch.double().mean().item()}
 
 
+def masked_metrics(ring, single, ref, seen, dtype) -> dict:
+    """metrics over the tokens seen (seen: [B, S], queries that see a key or keys that a query
+    sees; the rest is zero by definition and would only dilute the means), the rounding floor,
+    and the ring's largest value among the tokens left out (0 expected)."""
+    keep = seen[:, None, :, None].expand(ring.shape)
+    exact = ref[keep]
+    floor = (exact.to(dtype).double() - exact).abs().mean().item()
+    row = metrics(ring[keep], single[keep], exact)
+    left_out = ring[~keep]
+    return {**row, "floor_mean_abs_err": floor,
+            "ratio_to_floor": row["mean_abs_err"] / floor if floor else float("nan"),
+            "left_out_fraction": left_out.numel() / ring.numel(),
+            "left_out_max_abs": left_out.abs().max().item() if left_out.numel() else 0.0}
+
+
+def target_check(row: dict) -> dict:
+    if row["accumulate"] not in TARGETS or (row["accumulate"] == "fp32_blocks" and row["dtype"] == "fp32"):
+        return {}  # fp32 operands: fp32_blocks is fp32, and fp32 sums cannot reach fp32's own rounding
+    metric, bound = TARGETS[row["accumulate"]]
+    return {"target": f"{metric} <= {bound}", "meets_target": row[metric] <= bound}
+
+
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cp", type=int, default=8)
@@ -211,21 +317,39 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: one GPU, the ring simulated (modes default to "
                         f"{','.join(CUDA_MODES)}); cpu: --cp gloo processes")
+    p.add_argument("--mask", choices=MASKS, default=None,
+                   help="the masked ring, simulated in this process (cpu only; modes default to "
+                        f"{','.join(MASK_MODES)})")
+    p.add_argument("--window", type=int, default=None, help="--mask window's tokens (default: seq // 8)")
     a = p.parse_args(argv)
     if a.device == "cuda" and a.modes == ",".join(MODES):
         a.modes = ",".join(CUDA_MODES)
+    if a.mask or a.window is not None:
+        check_mask_flags(p, a)
     cfg = dict(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, dim=a.dim, batch=a.batch,
-               dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","))
+               dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","),
+               mask=a.mask, window=a.window)
+    masks, mask_detail = mask_args(cfg) if a.mask else ({}, {})
+    seen = None
+    if a.mask:
+        vis = visibility(cfg, **masks)
+        seen = {"out": vis.any(-1), "dq": vis.any(-1), "dk": vis.any(-2), "dv": vis.any(-2)}
 
     q, k, v, dout = (x.to(a.device) for x in make_inputs(cfg))
     t0 = time.perf_counter()
-    ref = fp64_reference(q, k, v, dout, a.causal)
+    ref = fp64_reference(q, k, v, dout, a.causal, vis if a.mask else None)
     log(f"fp64 reference: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    single = (single_cuda if a.device == "cuda" else single_process)(q, k, v, dout, a.causal)
+    if a.mask:
+        single = single_process(q, k, v, dout, a.causal, vis)
+    else:
+        single = (single_cuda if a.device == "cuda" else single_process)(q, k, v, dout, a.causal)
     log(f"single device ({a.dtype}): {time.perf_counter() - t0:.1f} s")
 
-    if a.device == "cuda":
+    if a.mask:
+        simulated = simulated_masked(q, k, v, dout, cfg, a.cp, masks)
+        device = "cpu, ring simulated in one process"
+    elif a.device == "cuda":
         simulated = simulated_on_cuda(q, k, v, dout, cfg, a.cp)
         device = torch.cuda.get_device_name() + ", ring simulated on one GPU"
     else:
@@ -236,19 +360,44 @@ def main(argv=None) -> list[dict]:
 
     rows = []
     for mode in cfg["modes"]:
-        if a.device == "cuda":
+        if a.mask or a.device == "cuda":
             ring, seconds = simulated[mode]
         else:
             ring = [unshard([r[mode][0][i] for r in per_rank], a.cp, dim=2) for i in range(4)]
             seconds = max(r[mode][1] for r in per_rank)
         for name, x, s, r in zip(TENSORS, ring, single, ref):
-            rows.append({"bench": "cp_numerics", "accumulate": mode, "cp": a.cp, "tensor": name,
-                         **metrics(x, s, r), "seq": a.seq, "heads": a.heads, "kv_heads": cfg["kv_heads"],
-                         "dim": a.dim, "batch": a.batch, "dtype": a.dtype, "causal": a.causal,
-                         "comm": "allgather (torch default)" if mode == "torch_ring" else a.comm,
-                         "ring_seconds": round(seconds, 2), "device": device})
-    emit(rows, a.out)
+            stats = masked_metrics(x, s, r, seen[name], DTYPES[a.dtype]) if a.mask else metrics(x, s, r)
+            row = {"bench": "cp_numerics", "accumulate": mode, "cp": a.cp, "tensor": name,
+                   **stats, "seq": a.seq, "heads": a.heads, "kv_heads": cfg["kv_heads"],
+                   "dim": a.dim, "batch": a.batch, "dtype": a.dtype, "causal": a.causal, "mask": a.mask,
+                   **mask_detail, "comm": "allgather (torch default)" if mode == "torch_ring" else a.comm,
+                   "ring_seconds": round(seconds, 2), "device": device}
+            rows.append({**row, **target_check(row)} if a.mask else row)
+    for row in rows:
+        if row.get("meets_target") is False:
+            log(f"target missed: {row['accumulate']} {row['tensor']} {row['target']} "
+                f"({row[row['target'].split()[0]]:.3f})")
+    emit(rows, a.out, append=a.mask is not None)  # masked rows join the unmasked ones
     return rows
+
+
+def check_mask_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What a masked run cannot do, refused before any work."""
+    if a.window is not None and (a.mask != "window" or a.window < 1):
+        p.error("--window is a positive number of tokens, for --mask window")
+    if a.device != "cpu":
+        p.error("--mask runs on --device cpu only (the masked ring simulated in one process)")
+    if a.mask == "window" and not a.causal:
+        p.error("--mask window needs --causal (windows are causal)")
+    if a.comm != "ring":
+        p.error("--mask runs comm='ring' (allgather takes no masks)")
+    if a.seq < 5:
+        p.error("--mask needs --seq >= 5")
+    if a.modes == ",".join(MODES):
+        a.modes = ",".join(MASK_MODES)
+    bad = set(a.modes.split(",")) - set(MASK_MODES)
+    if bad:
+        p.error(f"--mask takes modes from {','.join(MASK_MODES)}, not {','.join(sorted(bad))}")
 
 
 if __name__ == "__main__":

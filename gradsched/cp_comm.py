@@ -17,6 +17,7 @@ by these rules, in order:
 4. Else a degree that needs key/value heads repeated (GQA with fewer groups than ranks) -> a2a or
    hybrid with it, repeating being cheaper than the ring's cp - 1 passes;
 5. Else -> ring (any head count).
+A call that returns its log-sum-exp never gets a2a (its unchanged call gives none): hybrid or ring.
 """
 from __future__ import annotations
 
@@ -46,14 +47,15 @@ def _degrees(q_heads: int, kv_heads: int, cp: int) -> list[int]:
     return [a for a in range(cp, 1, -1) if cp % a == 0 and heads_allow(q_heads, kv_heads, a)]
 
 
-def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool) -> CommChoice:
-    """comm='auto' (the rules in the module docstring)."""
+def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool, needs_lse: bool = False) -> CommChoice:
+    """comm='auto' (the rules in the module docstring). needs_lse: the call returns its log-sum-exp,
+    which a2a's unchanged call does not give (hybrid's ring does)."""
     if cp == 1:
         return CommChoice("ring", 1, "cp=1: nothing to communicate")
     if masked:
         return CommChoice("ring", 1, "a mask: the ring skips blocks and steps nothing sees, an all-to-all "
                           "would compute the whole masked square")
-    degrees = _degrees(q_heads, kv_heads, cp)
+    degrees = [a for a in _degrees(q_heads, kv_heads, cp) if not (needs_lse and a == cp)]
     whole = [a for a in degrees if kv_heads % a == 0]
     for pool, note in ((whole, ""), (degrees, f", each of the {kv_heads} key/value heads repeated")):
         if pool:
@@ -68,10 +70,10 @@ def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool) -> CommCh
 
 
 def resolve_comm(comm: str, a2a_degree: int | None, *, call: str, q_heads: int, kv_heads: int, cp: int,
-                 masked: bool) -> CommChoice:
+                 masked: bool, needs_lse: bool = False) -> CommChoice:
     """The scheme a call runs with; raises RingAttentionError for one its heads cannot run."""
     if comm == "auto":
-        return choose_comm(q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked)
+        return choose_comm(q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked, needs_lse=needs_lse)
     if comm in ("ring", "allgather"):
         return CommChoice(comm, 1, "asked for")
     if comm == "a2a":

@@ -59,27 +59,42 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
     return "\n".join(out)
 
 
+def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window, comm: str,
+               a2a_degree: int | None = None, q_heads: int = 1, kv_heads: int = 1) -> list[int]:
+    """The ring steps an attention call runs: all cp of them, fewer with a window shorter than the
+    sequence (gradsched.ring_masked skips the steps nobody needs); [] for a2a. Under hybrid the ring
+    runs over cp / a2a_degree ranks on the joint slices of an all-to-all group."""
+    from gradsched.cp_comm import resolve_comm
+    from gradsched.ring_masked import MaskedRing
+    if comm == "auto" or (comm == "hybrid" and a2a_degree is None):
+        choice = resolve_comm(comm, a2a_degree, call="report", q_heads=q_heads, kv_heads=kv_heads, cp=cp,
+                              masked=window is not None)
+        comm, a2a_degree = choice.comm, choice.a2a
+    if comm == "a2a":
+        return []
+    a = a2a_degree if comm == "hybrid" else 1
+    ring_cp, joint = cp // a, local_len * a
+    if window is not None and window >= joint * ring_cp:
+        window = None
+    parts = 2 if load_balance and ring_cp > 1 else 1
+    return MaskedRing(0, ring_cp, causal, load_balance, 1.0, "fp32", joint // parts, window).steps()
+
+
 def attention_report(reports) -> str:
     """Context parallelism: per lowered attention call, the scheme (comm='auto' says what it picked and why)
     and the ring steps it runs (a window shorter than the sequence skips steps). '' when nothing was lowered."""
-    from gradsched.ring_masked import MaskedRing
     out = []
     for rep in reports:
         if not rep.lowered:
             continue
         out.append(f"   context parallel (cp={rep.cp}): {len(rep.lowered)} attention call(s) lowered")
         for c in rep.lowered:
-            ring_cp = rep.cp // c.a2a_degree if c.comm in ("hybrid", "a2a") else rep.cp
-            line = f"     {c.node}: {c.comm}" + (f" (a2a over {c.a2a_degree} x ring over {ring_cp})"
+            line = f"     {c.node}: {c.comm}" + (f" (a2a over {c.a2a_degree} x ring over {rep.cp // c.a2a_degree})"
                                                  if c.comm == "hybrid" else "")
             if c.window is not None:
                 line += f", window {c.window}"
-            if c.comm != "a2a" and ring_cp > 1 and c.local_len:
-                joint = c.local_len * (c.a2a_degree if c.comm == "hybrid" else 1)
-                parts = 2 if c.load_balance else 1
-                window = c.window if c.window is not None and c.window < joint * ring_cp else None
-                steps = MaskedRing(0, ring_cp, c.causal, c.load_balance, 1.0, "fp32", joint // parts,
-                                   window).steps()
-                line += f", ring steps {steps} of {ring_cp}"
+            if c.comm in ("ring", "allgather", "hybrid") and c.local_len:
+                steps = ring_steps(rep.cp, c.local_len, c.causal, c.load_balance, c.window, c.comm, c.a2a_degree)
+                line += f", ring steps {steps} of {rep.cp // (c.a2a_degree if c.comm == 'hybrid' else 1)}"
             out.append(line + (f" -- {c.why}" if c.why else ""))
     return "\n" + "\n".join(out) if out else ""

@@ -16,7 +16,8 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                          causal: bool, load_balance: bool = True, dropout_p: float = 0.0,
                          has_attn_mask: bool = False, accumulate: str = "fp32",
                          comm: str = "ring", fewest_roundings: bool = False,
-                         device_type: str = "cpu", a2a_degree: int | None = None, masked: bool = False):
+                         device_type: str = "cpu", a2a_degree: int | None = None, masked: bool = False,
+                         needs_lse: bool = False):
     """Raise RingAttentionError if the ring cannot run this attention call.
 
     `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
@@ -51,7 +52,8 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                           "Set comm='hybrid' (all-to-all over a2a_degree ranks, ring over the rest), or leave "
                           "a2a_degree unset.")
     from gradsched.cp_comm import resolve_comm
-    choice = resolve_comm(comm, a2a_degree, call=call, q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked)
+    choice = resolve_comm(comm, a2a_degree, call=call, q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked,
+                          needs_lse=needs_lse)
     if choice.comm == "hybrid" and load_balance and local_len % 2:
         raise unsupported(call, f"comm='hybrid' with the load-balanced layout needs an even local length, and "
                           f"it is {local_len}", f"Pad the sequence to a multiple of {2 * cp}, or use "

@@ -63,3 +63,8 @@ def test_a2a_degree_without_hybrid_is_refused_by_the_options_and_the_check():
         SyncOptions(comm="ring", a2a_degree=2)
     with pytest.raises(RingAttentionError, match="a2a_degree=2 is set, and comm='a2a' does not use it"):
         check_attention_call("c", q_heads=4, kv_heads=4, local_len=8, cp=4, causal=True, comm="a2a", a2a_degree=2)
+
+
+def test_auto_never_gives_a2a_to_a_call_that_returns_its_log_sum_exp():
+    assert choose_comm(q_heads=12, kv_heads=12, cp=4, masked=False, needs_lse=True).comm == "hybrid"
+    assert choose_comm(q_heads=12, kv_heads=12, cp=2, masked=False, needs_lse=True).comm == "ring"

@@ -26,9 +26,10 @@ CASES = {
     "llama_packed_documents_dp4": job("hf_llama_documents", 1, 4, 1, inputs="documents"),
     "mistral_packed_documents_and_window_dp2_cp2": job("hf_mistral", 1, 2, 2, inputs="documents"),
     "llama_right_padding_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="padding"),
-    "mistral_window16_cp4": job("hf_mistral", 1, 1, 4),
+    "mistral_window16_cp4_auto": job("hf_mistral", 1, 1, 4, comm="auto"),  # a mask: auto keeps the ring
     # all-to-all over CP ranks {0,1}, {2,3} x ring over {0,2}, {1,3}, with the window and documents
-    "qwen2_window16_packed_documents_cp4_hybrid": job("hf_qwen2", 1, 1, 4, inputs="documents", comm="hybrid"),
+    "qwen2_window16_packed_documents_cp4_hybrid": job("hf_qwen2", 1, 1, 4, inputs="documents", comm="hybrid",
+                                                      a2a_degree=2),
     # pipeline stages: positions reach the second stage's attention as a computed value
     "mistral_window16_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, microbatches=2),
 }
@@ -62,3 +63,14 @@ def test_masked_model_trains_like_one_process(name, eager_runs):
 @pytest.mark.parametrize("name", list(INDUCTOR))
 def test_masked_model_under_inductor_trains_like_one_process(name, inductor_runs):
     assert_like_one_process(INDUCTOR[name], inductor_runs[name])
+
+
+def test_the_schedule_report_names_each_attention_calls_scheme_and_ring_steps(eager_runs):
+    # window 16 at S=64, cp=4: chunks of 8, so a query chunk reads its own and the two before it; rank 0
+    # (chunks 0 and 7) needs chunk 5 of rank 2: every step is needed. (tests/test_masked_attention.py
+    # has a window shorter than a chunk, and the steps it skips.)
+    auto = eager_runs["mistral_window16_cp4_auto"][0]["report"]
+    assert "context parallel (cp=4): 2 attention call(s) lowered" in auto
+    assert "ring, window 16, ring steps [0, 1, 2, 3] of 4 -- a mask: the ring skips" in auto
+    hybrid = eager_runs["qwen2_window16_packed_documents_cp4_hybrid"][0]["report"]
+    assert "hybrid (a2a over 2 x ring over 2), window 16, ring steps [0, 1] of 2" in hybrid
