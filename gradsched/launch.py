@@ -47,6 +47,24 @@ def _entry(rank, world, port, fn, args, out_dir, collective_timeout_s):
             dist.destroy_process_group()
 
 
+# Modules a rank needs, imported once by the fork server (import torch + Inductor + gradsched takes ~5 s of
+# CPU per rank; with 4 ranks on 2 cores that was ~10 s of every start). The server imports and starts
+# nothing else (no threads, no process group), so forking it is safe; GRADSCHED_START_METHOD=spawn
+# goes back to a fresh interpreter per rank. Names that fail to import are skipped by the server.
+_PRELOAD = ["torch", "torch.distributed", "gradsched.parallel", "gradsched.ring_attention", "gradsched.hf",
+            "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
+            "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2",
+            "transformers.models.gemma3.modeling_gemma3"]
+
+
+def _context():
+    method = os.environ.get("GRADSCHED_START_METHOD", "forkserver")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeout_s: float = 60.0,
               raise_on_error: bool = True) -> list:
     """Run fn(rank, world, *args) on `world` processes; return the per-rank results.
@@ -54,7 +72,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeou
     fn must be importable (a module-level function). With raise_on_error=False
     a failed rank's entry is ("error", text) instead of raising.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out_dir, collective_timeout_s),
