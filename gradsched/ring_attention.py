@@ -49,7 +49,8 @@ Modules, one concern each: ring_checks (what the ring refuses), ring_schedule (w
 calls a rank makes), attention_kernels (the block kernel per backend), ring_blocks (one
 window's calls, merges and sums), this module (the collectives and the autograd
 Function), ring_simulation (every rank in turn in one process, for numerics and kernel
-timing; bit for bit the ring's results with comm="ring").
+timing; bit for bit the ring's results with comm="ring"). Other schemes: ulysses (comm="a2a"),
+hybrid (comm="hybrid", over cp_groups' sub-groups), cp_comm (which scheme runs, and comm="auto").
 """
 from __future__ import annotations
 
