@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsched.attention_kernels import attend, attend_backward, dq_tile
+from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.cp_layout import layout_order, rank_chunks
 from gradsched.masks import document_ids, visible
 from gradsched.ring_blocks import expand_heads, flat_kv, operands, reduce_heads, unflat_kv
@@ -220,12 +220,19 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
     """dq (accumulation dtype); give_back(step, flat dK/dV) for every step in order."""
     heads, parts = q.shape[1], len(ring.chunks(ring.rank))
     dtype = ring.acc_dtype(q.dtype)
-    qo, outo, douto = operands(ring, q, out, dout)
+    # Under a window a key chunk's dK/dV sums blocks of different calls (its own row chunk's square, the next
+    # one's partial block, often on another rank), and a reduced-dtype aten kernel rounds each before the fp32
+    # sum: 1.21x the single device's error (cp_numerics --mask window). accumulate="fp32" promises fp32 sums,
+    # so those calls get fp32 operands, as fp32_blocks' do.
+    upcast = ring.window is not None and ring.accumulate == "fp32" and \
+        upcast_operands(q.device.type, q.dtype, "fp32_blocks")
+    cast = (lambda *xs: tuple(x.float() for x in xs)) if upcast else (lambda *xs: operands(ring, *xs))
+    qo, outo, douto = cast(q, out, dout)
     rows = [x.chunk(parts, dim=2) for x in (qo, outo, douto.contiguous(), lse)]
     dq = [torch.zeros(r.shape, dtype=dtype, device=q.device) for r in rows[0]]
     limit = dq_tile(q.device.type, q.dtype)
     for group in ring.groups(rounds_results(q.dtype)):
-        kvs = {s: operands(ring, *kv_at(s)) for s in group}
+        kvs = {s: cast(*kv_at(s)) for s in group}
         grads = {s: torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device) for s in group}
         for p, pieces in _calls(ring, ring.rank, group, limit):
             qid = ring.chunks(ring.rank)[p]
