@@ -330,6 +330,12 @@ def main(argv=None) -> list[dict]:
                dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","),
                mask=a.mask, window=a.window)
     masks, mask_detail = mask_args(cfg) if a.mask else ({}, {})
+    if a.mask == "document":  # the balanced layout's work per rank with these documents (gradsched.cp_balance)
+        from gradsched.cp_balance import imbalance, pairs_per_rank
+        work = pairs_per_rank(masks["position_ids"], a.cp, causal=a.causal)
+        mask_detail.update(pairs_per_rank=work, imbalance=round(imbalance(work), 3))
+        log(f"documents {mask_detail['doc_lengths']}: visible pairs per rank {work}, imbalance "
+            f"{mask_detail['imbalance']} (the busiest rank over the mean; not yet balanced)")
     seen = None
     if a.mask:
         vis = visibility(cfg, **masks)
