@@ -33,7 +33,7 @@ from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast
 from gradsched.cp_layout import layout_order, rank_chunks
 from gradsched.masks import document_ids, visible
 from gradsched.ring_blocks import expand_heads, flat_kv, operands, reduce_heads, unflat_kv
-from gradsched.ring_schedule import rounds_results
+from gradsched.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
 
@@ -53,9 +53,8 @@ class MaskedRing:
     fewest_roundings: bool = False
     group_name: str = ""
 
-    # the same operand rule as the ring's (ring_blocks.operands reads only .accumulate)
-    def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype if self.accumulate == "input" else torch.float32
+    def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:  # the ring's rule (ring_schedule.acc_dtype)
+        return acc_dtype(self.accumulate, dtype)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         return rank_chunks(rank, self.cp, self.load_balance) if self.cp > 1 else (0,)

@@ -34,6 +34,11 @@ def fewest_roundings_default(device_type: str) -> bool:
     return device_type == "cpu"
 
 
+def acc_dtype(accumulate: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype block results merge and sum in: the input's with accumulate="input", else fp32."""
+    return dtype if accumulate == "input" else torch.float32
+
+
 @dataclass(frozen=True)
 class Ring:
     """One ring's settings, as the per-step helpers need them."""
@@ -52,7 +57,7 @@ class Ring:
         return 2 if self.causal and self.load_balance and self.cp > 1 else 1
 
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        return dtype if self.accumulate == "input" else torch.float32
+        return acc_dtype(self.accumulate, dtype)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         """Sequence positions (chunk indices) of rank's local chunks, in local order."""

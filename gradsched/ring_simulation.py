@@ -11,12 +11,18 @@ import torch
 
 from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, row_chunks, rows_for_backward,
                                    unflat_kv)
+from gradsched.cp_layout import shard, unshard
 from gradsched.masks import check_mask_args
 from gradsched.ring_checks import check_attention_call, check_masked_call, unsupported
 from gradsched.ring_masked import MaskedRing, natural_tokens
 from gradsched.ring_masked import rank_backward as masked_backward
 from gradsched.ring_masked import rank_forward as masked_forward
 from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, fewest_roundings_default, forward_ends, window_ends
+
+def _cut(x, cp: int, load_balance: bool) -> list[torch.Tensor]:
+    """Every rank's shard of a whole-sequence [B, H, S, D] tensor, in rank order."""
+    return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
+
 
 def rank_forward(ring: Ring, q, ks, vs):
     """Rank ring.rank's forward with every rank's K/V at hand (ks, vs: per rank):
@@ -57,12 +63,9 @@ def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
     """A function running one rank's share of the ring's compute (forward and backward
     blocks, merges and sums, no communication): to time the schedule against the limit,
     one full-sequence kernel's time / cp. Inputs as simulate_ring's, on any device."""
-    from gradsched.cp_layout import shard
-
     fewest_roundings = _checked("rank_compute", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    ks, vs = ([shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
-              for x in (k, v))
+    ks, vs = (_cut(x, cp, load_balance) for x in (k, v))
     ql, dl = (shard(x, cp, rank, dim=2, load_balance=load_balance).contiguous() for x in (q, dout))
 
     def run():  # the ring is made inside, as in _RingAttention.forward, so that Dynamo traces it
@@ -106,7 +109,6 @@ def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, sca
                          grad_out, fewest_roundings: bool, window, position_ids, key_padding) -> SimResult:
     """simulate_ring with masks: gradsched.ring_masked's blocks, merges and sums on every rank in
     turn, dK/dV summed at their owner in step order, as the ring sums them."""
-    from gradsched.cp_layout import shard, unshard
 
     check_mask_args("simulate_ring", causal=causal, window=window, position_ids=position_ids,
                     key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
@@ -115,10 +117,7 @@ def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, sca
                          position_ids is not None or key_padding is not None, fewest_roundings)
     tokens = natural_tokens(position_ids, key_padding)
 
-    def cut(x):
-        return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
-
-    qs, ks, vs = cut(q), cut(k), cut(v)
+    qs, ks, vs = (_cut(x, cp, load_balance) for x in (q, k, v))
 
     def kv_at(r):
         return lambda step: (ks[(r - step) % cp], vs[(r - step) % cp])
@@ -128,7 +127,7 @@ def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, sca
                        unshard([f[1] for f in done], cp, dim=2, load_balance=load_balance))
     if grad_out is None:
         return result
-    douts = cut(grad_out)
+    douts = _cut(grad_out, cp, load_balance)
     dtype = rings[0].acc_dtype(q.dtype)
     got = [dict() for _ in range(cp)]  # got[owner][step]: the dK/dV of the rank holding owner's K/V at step
     dqs = []
@@ -164,7 +163,6 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     are put back in natural order. Masks (window, position_ids, key_padding: gradsched.masks)
     over the whole sequence in natural order run the masked ring (gradsched.ring_masked).
     """
-    from gradsched.cp_layout import shard, unshard
 
     fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
     if scale is None:
@@ -183,17 +181,14 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     rings = [Ring(r, cp, causal, load_balance, float(scale), accumulate,
                    fewest_roundings=fewest_roundings) for r in range(cp)]
 
-    def cut(x):
-        return [shard(x, cp, r, dim=2, load_balance=load_balance).contiguous() for r in range(cp)]
-
-    qs, ks, vs = cut(q), cut(k), cut(v)
+    qs, ks, vs = (_cut(x, cp, load_balance) for x in (q, k, v))
     finished = [rank_forward(ring, qs[r], ks, vs) for r, ring in enumerate(rings)]
     result = SimResult(unshard([f[0] for f in finished], cp, dim=2, load_balance=load_balance),
                        unshard([f[1] for f in finished], cp, dim=2, load_balance=load_balance))
     if grad_out is None:
         return result
 
-    douts = cut(grad_out)
+    douts = _cut(grad_out, cp, load_balance)
     dtype = rings[0].acc_dtype(q.dtype)
     kshape, vshape = ks[0].shape, vs[0].shape
     # grads[r][step]: rank r's dK/dV for the K/V it holds at step

@@ -11,7 +11,9 @@ the same meta["val"] / meta["example_value"]. The ring runs forward and backward
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
 cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
 sequence under the load-balanced causal layout) raises RingAttentionError here, at
-compile time (`spec.check` says which). What was lowered, and which attention-like calls
+compile time (`spec.check` says which). `spec.check` also returns the scheme each call runs
+with: a lowered call carries a concrete comm ("ring", "allgather", "a2a", or "hybrid" with its
+a2a_degree), never "auto", when the call's head counts are static. What was lowered, and which attention-like calls
 of other forms were left local, is returned as a ContextParallelReport so a caller can
 refuse or warn.
 

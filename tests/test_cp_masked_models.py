@@ -9,9 +9,8 @@ gradient, so scale errors show), as tests/test_option_matrix.py does.
 """
 import pytest
 
-from gradsched.launch import run_ranks
-from test_option_matrix import assert_like_one_process
-from tied_training import Job, rank_jobs
+from test_option_matrix import assert_like_one_process, run_jobs
+from tied_training import Job
 from tiny_gpt import GPTConfig
 
 
@@ -40,19 +39,14 @@ INDUCTOR = {
 }
 
 
-def _run(cases):
-    per_rank = run_ranks(rank_jobs, 4, list(cases.values()), timeout_s=900)
-    return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
-
-
 @pytest.fixture(scope="module")
 def eager_runs():
-    return _run(CASES)
+    return run_jobs(CASES)
 
 
 @pytest.fixture(scope="module")
 def inductor_runs():
-    return _run(INDUCTOR)
+    return run_jobs(INDUCTOR)
 
 
 @pytest.mark.parametrize("name", list(CASES))

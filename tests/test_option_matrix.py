@@ -93,7 +93,8 @@ def _fix(job_):  # options that are dtypes travel as names (readable case table)
     return job_
 
 
-def _run(cases: dict) -> dict:
+def run_jobs(cases: dict) -> dict:
+    """Every job of `cases` on one set of 4 ranks: name -> the ranks' results."""
     jobs = [_fix(j) for j in cases.values()]
     per_rank = run_ranks(rank_jobs, 4, jobs, timeout_s=900)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
@@ -101,12 +102,12 @@ def _run(cases: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def eager_runs():
-    return _run(CASES)
+    return run_jobs(CASES)
 
 
 @pytest.fixture(scope="module")
 def inductor_runs():
-    return _run(INDUCTOR)
+    return run_jobs(INDUCTOR)
 
 
 def assert_like_one_process(job_, ranks):

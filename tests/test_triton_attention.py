@@ -22,8 +22,12 @@ H, D = 2, 32
 
 
 if not triton_attention.available("cpu"):
-    pytest.skip("these run Triton's interpreter, which tests/conftest.py turns on where there is "
-                "no GPU (the GPU suite runs the kernel itself)", allow_module_level=True)
+    if torch.cuda.is_available():
+        pytest.skip("these run Triton's interpreter, which tests/conftest.py turns on only where there is "
+                    "no GPU (tests/test_gpu.py runs the kernel itself)", allow_module_level=True)
+    pytest.fail("triton is installed but its interpreter is off on a machine without a GPU: tests/conftest.py "
+                "sets TRITON_INTERPRET=1 before triton is first imported; something imported it earlier or set "
+                "TRITON_INTERPRET=0", pytrace=False)
 
 
 def visible(lq, lk, causal, window):
