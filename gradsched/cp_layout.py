@@ -8,6 +8,16 @@ of cp.
 
     cp=2, S=8:  rank 0 holds positions 0 1 | 6 7   rank 1 holds 2 3 | 4 5
 
+Document-balanced layout (load_balance="documents", for packed documents): the head-tail cut
+balances ONE causal sequence; with packed documents a rank holding the ends of long documents
+works more (gradsched.cp_balance measures it). So each batch row is first reordered, from its
+own position ids, into a sequence whose head-tail cut gives every rank a near-equal share of
+every document: document d is cut into 2cp consecutive pieces of floor or ceil(len_d / 2cp)
+tokens, piece k going into the k-th of 2cp equal chunks (`document_order`). Within a document
+the order of its tokens is kept, so causality is still sequence order; documents are no longer
+contiguous, so the model is told them explicitly (`seq_idx`, gradsched.masks) and a window is
+measured on positions.
+
 Everything a rank feeds the model is cut the same way, so each token keeps its own
 position id (rotary embeddings read positions from position_ids, not from the index
 in the local tensor) and its own label. Labels are shifted for next-token prediction
@@ -23,6 +33,9 @@ import torch
 
 class CPLayoutError(ValueError):
     """A sequence that cannot be cut into the context-parallel layout."""
+
+
+LOAD_BALANCE = (True, False, "documents")
 
 
 def rank_chunks(rank: int, cp: int, load_balance: bool = True) -> tuple[int, ...]:
@@ -80,6 +93,52 @@ def gather_sequence(x: torch.Tensor, group, dim: int = 1, load_balance: bool = T
     return unshard(laid.chunk(cp, dim=dim), cp, dim, load_balance)
 
 
+def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
+    """[B, S] position ids in natural order (a new document wherever they do not step by 1) ->
+    [B, S]: the natural index of each token of the document-balanced sequence (see above), per row.
+
+    Each document's remainder tokens (len mod 2cp) go one each to consecutive chunks, carried on
+    cyclically from the previous document, so that every chunk ends with exactly S / 2cp tokens."""
+    from gradsched.masks import document_ids
+
+    seq = position_ids.shape[-1]
+    n = 2 * cp
+    _check(seq, cp, True)
+    rows = []
+    for doc in document_ids(position_ids).tolist():
+        lengths = torch.bincount(torch.tensor(doc)).tolist()
+        pieces = [[] for _ in range(n)]  # chunk k: (start, size) of each document's piece
+        start, carry = 0, 0
+        for length in lengths:
+            base, extra = divmod(length, n)
+            gets = {(carry + i) % n for i in range(extra)}
+            carry = (carry + extra) % n
+            offset = start
+            for k in range(n):
+                size = base + (k in gets)
+                pieces[k].append((offset, size))
+                offset += size
+            start += length
+        rows.append(torch.cat([torch.arange(a, a + m) for chunk in pieces for a, m in chunk]))
+    return torch.stack(rows).to(position_ids.device)
+
+
+def balance_documents(position_ids: torch.Tensor, cp: int, *tensors: torch.Tensor) -> tuple:
+    """(seq_idx, the tensors) of each row reordered into the document-balanced sequence, to be cut
+    by `shard` with load_balance=True. tensors: [B or 1, S, ...] per-token (inputs, position ids,
+    targets already shifted, padding); seq_idx [B, S]: each token's document."""
+    from gradsched.masks import document_ids
+
+    order = document_order(position_ids, cp)
+    rows = order.shape[0]
+
+    def take(t):
+        idx = order.view(rows, -1, *([1] * (t.dim() - 2))).expand(rows, -1, *t.shape[2:])
+        return t.expand(rows, *t.shape[1:]).gather(1, idx)
+
+    return (take(document_ids(position_ids)),) + tuple(take(t) for t in tensors)
+
+
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100, dim: int = 1) -> torch.Tensor:
     """Next-token targets: position t gets labels[t+1]; the last position gets ignore_index."""
     shifted = labels.roll(-1, dims=dim)
@@ -99,15 +158,22 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1, value=0) -> to
 
 def shard_causal_lm_batch(input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                           position_ids: torch.Tensor | None = None, *, cp: int, rank: int,
-                          load_balance: bool = True, ignore_index: int = -100) -> dict:
+                          load_balance: bool | str = True, ignore_index: int = -100) -> dict:
     """A rank's share of a causal-LM batch ([B, S] tensors): input_ids, position_ids and,
     given labels (unshifted, as Hugging Face takes them), shift_labels: already shifted
-    for next-token loss, so each rank scores exactly the positions it holds."""
+    for next-token loss, so each rank scores exactly the positions it holds.
+
+    load_balance="documents": packed documents (position ids restarting) spread evenly over the
+    ranks (`document_order`); the batch then also has seq_idx, each token's document, which the
+    model must hand to its attention (gradsched.masks.attention(seq_idx=...); gradsched.hf.CausalLM
+    takes it as its fourth argument)."""
     seq = input_ids.shape[1]
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device).expand_as(input_ids)
-    batch = {"input_ids": shard(input_ids, cp, rank, 1, load_balance),
-             "position_ids": shard(position_ids, cp, rank, 1, load_balance)}
+    named = {"input_ids": input_ids, "position_ids": position_ids}
     if labels is not None:
-        batch["shift_labels"] = shard(shift_labels(labels, ignore_index), cp, rank, 1, load_balance)
-    return batch
+        named["shift_labels"] = shift_labels(labels, ignore_index)
+    if load_balance == "documents":
+        seq_idx, *moved = balance_documents(position_ids, cp, *named.values())
+        named = dict(zip(named, moved), seq_idx=seq_idx)
+    return {name: shard(t, cp, rank, 1, bool(load_balance)) for name, t in named.items()}

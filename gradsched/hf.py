@@ -14,7 +14,10 @@ Ulysses, and which is SDPA in one process):
 - packed documents: position ids that do not step by 1 start a new document, as HF
   detects them when no attention_mask is given (`documents=False` skips this, and the
   per-token mask it costs, for data that is never packed);
-- padding: an attention_mask [B, S] hides the pads as keys, as HF's does.
+- padding: an attention_mask [B, S] hides the pads as keys, as HF's does;
+- explicit documents: seq_idx [B, S] (HF's name for it), which the document-balanced layout
+  needs (gradsched.cp_layout, load_balance="documents"): documents are then the equal
+  seq_idx, and positions only place tokens and measure the window.
 Anything else a layer computes (logit soft-capping, attention sinks, dropout) is refused
 with UnsupportedAttention naming the model, the layer and the feature, at construction
 and again if HF hands such an argument to the attention function: it never computes a
@@ -73,7 +76,7 @@ def _register_attention() -> None:
 
     def make(documents: bool):
         def gradsched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                                sliding_window=None, position_ids=None, **kwargs):
+                                sliding_window=None, position_ids=None, seq_idx=None, **kwargs):
             changed = [f"{k}={kwargs[k]!r}" for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
             if dropout:
                 changed.append(f"dropout={dropout}")
@@ -87,8 +90,10 @@ def _register_attention() -> None:
                     "the [batch, sequence] padding mask (1: token, 0: pad) as attention_mask.")
             # HF finds packed documents in the position ids only when no padding mask is given
             docs = position_ids if documents and attention_mask is None else None
+            if seq_idx is not None:  # explicit documents, with or without padding
+                docs = position_ids
             out = attention(query, key, value, causal=True, scale=scaling, window=sliding_window,
-                            position_ids=docs, key_padding=attention_mask)
+                            position_ids=docs, key_padding=attention_mask, seq_idx=seq_idx)
             return out.transpose(1, 2).contiguous(), None
         return gradsched_attention
 
@@ -99,11 +104,13 @@ def _register_attention() -> None:
 
 
 class CausalLM(nn.Module):
-    """(tokens, positions, attention_mask) -> logits of an unmodified HF causal LM.
+    """(tokens, positions, attention_mask, seq_idx) -> logits of an unmodified HF causal LM.
 
     documents: find packed documents in the position ids, as HF does (a per-token mask on
     every attention call). False for data that is never packed: then positions are read
-    as positions only, and attention is plain causal (with its window).
+    as positions only, and attention is plain causal (with its window). seq_idx [B, S]
+    (optional, HF's kwarg): each token's document, given explicitly; the model's layers
+    hand it to the attention function.
     """
 
     def __init__(self, model: nn.Module, documents: bool = True):
@@ -113,7 +120,7 @@ class CausalLM(nn.Module):
         model.set_attn_implementation(ATTENTION if documents else ATTENTION_NO_DOCUMENTS)
         self.model = model
 
-    def forward(self, tokens, positions=None, attention_mask=None):
+    def forward(self, tokens, positions=None, attention_mask=None, seq_idx=None):
         # Computed values, not the model's inputs, reach the attention layers: a pipeline split gives only
         # the first stage the inputs and sends later stages what was computed before them. Tokens are
         # touched first: the split orders the first stage's inputs by first use, and the pipeline
@@ -123,8 +130,11 @@ class CausalLM(nn.Module):
             positions = positions.clone()
         if attention_mask is not None:
             attention_mask = attention_mask.bool()
+        extra = {}
+        if seq_idx is not None:
+            extra["seq_idx"] = seq_idx.clone()
         return self.model(input_ids=tokens, position_ids=positions, attention_mask=attention_mask,
-                          use_cache=False).logits
+                          use_cache=False, **extra).logits
 
 
 def tiny_gpt2(vocab=64, seq=16, dim=32, layers=2, heads=4) -> tuple[nn.Module, list[str]]:

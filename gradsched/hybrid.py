@@ -52,7 +52,7 @@ def _joint_tokens(t, a2a: int, group_name: str, order: torch.Tensor):
 
 def hybrid_attention(q, k, v, group_name: str, cp: int, a2a: int, *, ring_call, causal: bool, scale: float,
                      load_balance: bool, return_lse: bool = False, position_ids=None, key_padding=None,
-                     **ring_kwargs):
+                     seq_idx=None, **ring_kwargs):
     """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's slice in gradsched.cp_layout's order over
     the CP group `group_name` (cp ranks); out in the same order (and the LSE if return_lse).
     `ring_call` is gradsched.ring_attention.ring_attention (comm="ring" over the ring groups)."""
@@ -66,9 +66,10 @@ def hybrid_attention(q, k, v, group_name: str, cp: int, a2a: int, *, ring_call, 
     k, v = (_KVToHeads.apply(t, a2a, a2a_group, back, order, local_kv) for t in (k, v))
     position_ids = _joint_tokens(position_ids, a2a, a2a_group, order)
     key_padding = _joint_tokens(key_padding, a2a, a2a_group, order)
+    seq_idx = _joint_tokens(seq_idx, a2a, a2a_group, order)
     out, lse = ring_call(q, k, v, ring_group, causal=causal, scale=scale, load_balance=load_balance,
                          comm="ring", return_lse=True, position_ids=position_ids, key_padding=key_padding,
-                         **ring_kwargs)
+                         seq_idx=seq_idx, **ring_kwargs)
     out = _Redistribute.apply(out.index_select(2, back), a2a, a2a_group, False)
     if not return_lse:
         return out

@@ -14,6 +14,11 @@ Conventions (Hugging Face's, so that an HF model trains as in one process):
   (masking_utils.find_packed_sequence_indices): `document_ids`. Explicit boundaries
   (`cu_seqlens`) become such position ids with `positions_from_cu_seqlens`.
 - padding: key_padding[b, j] False hides key j from every query (HF masks keys only).
+- explicit documents: seq_idx [B, S] (HF's name, DataCollatorWithFlattening(return_seq_idx=True)):
+  tokens attend within equal seq_idx only, causally in sequence order, and a window is measured on
+  position_ids. This is what lets a document keep its meaning when its tokens are not contiguous:
+  the document-balanced layout (gradsched.cp_layout, load_balance="documents") spreads every
+  document over all context-parallel ranks, in pieces.
 
 A query that sees no key at all (a left pad) gets zeros: every kernel here reports such a row's
 log-sum-exp as 0, finite, and its gradients as zeros.
@@ -44,17 +49,20 @@ def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int | None = None
 
 
 def visible(q_idx, k_idx, *, causal: bool, window: int | None, q_doc=None, k_doc=None,
-            k_keep=None) -> torch.Tensor:
+            k_keep=None, q_pos=None, k_pos=None) -> torch.Tensor:
     """Which keys each query sees: bool [B or 1, Lq, Lk]. q_idx/k_idx: global token indices
     ([Lq], [Lk]); q_doc/k_doc: document ids ([B, Lq], [B, Lk]); k_keep: bool [B, Lk] (False:
-    padding)."""
+    padding); q_pos/k_pos ([B, Lq], [B, Lk]): positions to measure the window on instead of
+    the indices (documents in pieces: within a document they differ as its positions do)."""
     qi, kj = q_idx[:, None], k_idx[None, :]
     seen = torch.ones(qi.shape[0], kj.shape[1], dtype=torch.bool, device=q_idx.device)
     if causal:
         seen = seen & (kj <= qi)
-    if window is not None:
+    if window is not None and q_pos is None:
         seen = seen & (qi - kj < window)
     seen = seen[None]
+    if window is not None and q_pos is not None:
+        seen = seen & (q_pos[:, :, None] - k_pos[:, None, :] < window)
     if q_doc is not None:
         seen = seen & (q_doc[:, :, None] == k_doc[:, None, :])
     if k_keep is not None:
@@ -63,7 +71,7 @@ def visible(q_idx, k_idx, *, causal: bool, window: int | None, q_doc=None, k_doc
 
 
 def check_mask_args(call: str, *, causal: bool, window, position_ids, key_padding, seq_len: int | None,
-                    batch: int | None) -> None:
+                    batch: int | None, seq_idx=None) -> None:
     """Refuse what `attention` cannot mean, naming the argument."""
     from gradsched.ring_checks import unsupported
     if window is not None:
@@ -73,7 +81,11 @@ def check_mask_args(call: str, *, causal: bool, window, position_ids, key_paddin
         if not causal:
             raise unsupported(call, "a sliding window without causal attention",
                               "Windows are causal (query i sees keys i-window+1..i): pass causal=True.")
-    for name, t in (("position_ids", position_ids), ("key_padding", key_padding)):
+    if seq_idx is not None and window is not None and position_ids is None:
+        raise unsupported(call, "a window with seq_idx but no position_ids",
+                          "With explicit documents (seq_idx) the window is measured on positions: pass "
+                          "position_ids as well.")
+    for name, t in (("position_ids", position_ids), ("key_padding", key_padding), ("seq_idx", seq_idx)):
         if t is None:
             continue
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
@@ -88,23 +100,32 @@ def check_mask_args(call: str, *, causal: bool, window, position_ids, key_paddin
                               "sequence, or one row for all.")
 
 
+def token_masks(position_ids, seq_idx):
+    """(document ids, positions to measure a window on) of gradsched.masks' conventions: explicit
+    documents (seq_idx) with their positions, or documents found in the position ids (None
+    positions: the window is measured on the sequence index, the same within a document)."""
+    if seq_idx is not None:
+        return seq_idx, position_ids
+    return (document_ids(position_ids) if position_ids is not None else None), None
+
+
 def dense_mask(seq_len: int, device, *, causal: bool, window: int | None, position_ids=None,
-               key_padding=None) -> torch.Tensor | None:
-    """The bool mask [B or 1, 1, S, S] of a whole sequence in natural order (None: full)."""
-    if not causal and window is None and position_ids is None and key_padding is None:
+               key_padding=None, seq_idx=None) -> torch.Tensor | None:
+    """The bool mask [B or 1, 1, S, S] of a whole sequence in sequence order (None: full)."""
+    if not causal and window is None and position_ids is None and key_padding is None and seq_idx is None:
         return None
     idx = torch.arange(seq_len, device=device)
-    doc = document_ids(position_ids) if position_ids is not None else None
+    doc, pos = token_masks(position_ids, seq_idx)
     return visible(idx, idx, causal=causal, window=window, q_doc=doc, k_doc=doc,
-                   k_keep=key_padding)[:, None]
+                   k_keep=key_padding, q_pos=pos, k_pos=pos)[:, None]
 
 
-def _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding):
-    if window is None and position_ids is None and key_padding is None:
+def _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding, seq_idx=None):
+    if window is None and position_ids is None and key_padding is None and seq_idx is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     mask = dense_mask(q.shape[2], q.device, causal=causal, window=window, position_ids=position_ids,
-                      key_padding=key_padding)
+                      key_padding=key_padding, seq_idx=seq_idx)
     # SDPA with a bool mask gives a query that sees nothing zeros, and zero gradients.
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
@@ -115,19 +136,20 @@ def _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding):
 @torch.library.custom_op("gradsched::attention", mutates_args=())
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: Optional[float],
                   window: Optional[int], position_ids: Optional[torch.Tensor],
-                  key_padding: Optional[torch.Tensor]) -> torch.Tensor:
-    return _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding).contiguous()
+                  key_padding: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _dense_attention(q, k, v, causal, scale, window, position_ids, key_padding, seq_idx).contiguous()
 
 
 @_attention_op.register_fake
-def _(q, k, v, causal, scale, window, position_ids, key_padding):
+def _(q, k, v, causal, scale, window, position_ids, key_padding, seq_idx=None):
     return q.new_empty((*q.shape[:-1], v.shape[-1]))
 
 
 @torch.library.custom_op("gradsched::attention_backward", mutates_args=())
 def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                            scale: Optional[float], window: Optional[int], position_ids: Optional[torch.Tensor],
-                           key_padding: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           key_padding: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor] = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The math of softmax attention's backward, in fp32: a custom op's body runs below autograd, so
     # it cannot differentiate its forward again.
     groups = q.shape[1] // k.shape[1]
@@ -135,7 +157,7 @@ def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = (qf @ kf.transpose(-1, -2)) * s
     mask = dense_mask(q.shape[2], q.device, causal=causal, window=window, position_ids=position_ids,
-                      key_padding=key_padding)
+                      key_padding=key_padding, seq_idx=seq_idx)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     p = torch.softmax(scores, -1).nan_to_num(0.0)  # a query that sees nothing: no weights
@@ -151,7 +173,7 @@ def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @_attention_backward_op.register_fake
-def _(grad, q, k, v, causal, scale, window, position_ids, key_padding):
+def _(grad, q, k, v, causal, scale, window, position_ids, key_padding, seq_idx=None):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # contiguous, as the body returns
 
 
@@ -163,26 +185,30 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, grad):
     q, k, v = ctx.saved_tensors
     dq, dk, dv = torch.ops.gradsched.attention_backward(grad, q, k, v, *ctx.rest)
-    return dq, dk, dv, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup)
 
 
 def attention(q, k, v, causal: bool = True, scale: float | None = None, window: int | None = None,
-              position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None):
+              position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
+              seq_idx: torch.Tensor | None = None):
     """Attention with a sliding window, packed documents and padding given as what they are.
 
     q [B, Hq, S, D], k/v [B, Hkv, S, D] (Hq a multiple of Hkv); window: tokens (causal only);
     position_ids [B or 1, S]: documents (a new one where positions do not step by 1); key_padding
-    [B or 1, S] bool: False hides that key. One node (torch.ops.gradsched.attention) in a traced
+    [B or 1, S] bool: False hides that key; seq_idx [B or 1, S]: explicit documents (then
+    position_ids only measure the window, and documents need not be contiguous). One node (torch.ops.gradsched.attention) in a traced
     graph, which passes.context_parallel lowers to the ring or Ulysses with the same arguments.
     """
     check_mask_args("gradsched.attention", causal=causal, window=window, position_ids=position_ids,
-                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
-    if window is None and position_ids is None and key_padding is None:  # no mask: the plain SDPA call
+                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0], seq_idx=seq_idx)
+    if window is None and position_ids is None and key_padding is None and seq_idx is None:  # plain SDPA
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
     if key_padding is not None:
         key_padding = key_padding.bool()
-    return torch.ops.gradsched.attention(q, k, v, causal, scale, window, position_ids, key_padding)
+    if seq_idx is not None and window is None:
+        position_ids = None  # explicit documents: positions would only measure the window
+    return torch.ops.gradsched.attention(q, k, v, causal, scale, window, position_ids, key_padding, seq_idx)

@@ -50,7 +50,9 @@ class SyncOptions:
     # groups of a2a_degree consecutive CP ranks x ring over the rest) | "auto" (gradsched.cp_comm picks per call)
     comm: str = "ring"
     a2a_degree: int | None = None  # comm="hybrid" only; None: the largest the heads allow
-    load_balance: bool = True  # causal layout: rank r holds chunks r and 2cp-1-r
+    # causal layout (gradsched.cp_layout): True: rank r holds chunks r and 2cp-1-r; False: chunk r;
+    # "documents": each batch row first reordered so every rank holds a share of every packed document
+    load_balance: bool | str = True
 
     def __post_init__(self):
         def bad(name, value, allowed):
@@ -65,6 +67,8 @@ class SyncOptions:
             bad("accumulate", self.accumulate, ACCUMULATE)
         if self.comm not in COMMS:
             bad("comm", self.comm, COMMS)
+        if not (isinstance(self.load_balance, bool) or self.load_balance == "documents"):
+            bad("load_balance", self.load_balance, (True, False, "documents"))
         if self.a2a_degree is not None and self.comm != "hybrid":
             raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} is for comm='hybrid' (comm is "
                              f"{self.comm!r}): set comm='hybrid', or leave a2a_degree unset.")

@@ -45,6 +45,19 @@ def _check_first_stage_inputs(pipe, model_name: str) -> None:
                          "it takes them (e.g. touch them in that order at the top of forward).")
 
 
+def _check_takes_seq_idx(model: nn.Module) -> None:
+    """load_balance="documents" calls the model with (tokens, positions, attention_mask, seq_idx)."""
+    import inspect
+    params = list(inspect.signature(model.forward).parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 4:
+        return
+    raise ValueError(
+        f"load_balance='documents' calls {type(model).__name__} with (tokens, positions, attention_mask, seq_idx): "
+        "each sequence is reordered so that every rank holds a piece of every document, and seq_idx says which "
+        f"document each token is in; its forward takes {[p.name for p in params]}. Take seq_idx and hand it to "
+        "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")
+
+
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
                  ties=None, fullgraph=True, ignore_index=-100, **options):
@@ -62,6 +75,8 @@ class ParallelModel:
             raise ValueError(f"schedule='1f1b' needs microbatches >= pp ({m} < {plan.pp}): use schedule='gpipe', "
                              f"or microbatches={plan.pp} or more.")
         check_split_points(model, split_points)
+        if self.options.load_balance == "documents" and plan.cp > 1:
+            _check_takes_seq_idx(model)
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.within_module_ties = shared_parameters(model)
@@ -87,6 +102,11 @@ class ParallelModel:
         The model gets (tokens), (tokens, positions) or (tokens, positions, attention_mask):
         under context parallelism each rank holds non-contiguous chunks, so positions come in
         explicitly (learned or rotary embeddings read them; packed documents restart them).
+        Under load_balance="documents" it gets (tokens, positions, attention_mask, seq_idx): each
+        row reordered so every rank holds a share of every document (gradsched.cp_layout.
+        balance_documents), and seq_idx says which document each token is in. attention_mask is
+        then all ones where none was given (a pipeline split drops an input passed as None, and
+        seq_idx would take its place).
         """
         for name, t in (("positions", positions), ("attention_mask", attention_mask)):
             if t is not None and tuple(t.shape) != tuple(inputs.shape[:2]):
@@ -97,9 +117,15 @@ class ParallelModel:
         args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
         if self.plan.cp == 1:
             return args, targets
-        from .cp_layout import shard
+        from .cp_layout import balance_documents, shard
         cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
-        return tuple(shard(t, cp, r, 1, lb) for t in args), shard(targets, cp, r, 1, lb)
+        if lb == "documents":
+            if attention_mask is None:
+                attention_mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
+            seq_idx, inputs, targets, positions, attention_mask = balance_documents(
+                positions, cp, inputs, targets, positions, attention_mask)
+            args = (inputs, positions, attention_mask, seq_idx)
+        return tuple(shard(t, cp, r, 1, bool(lb)) for t in args), shard(targets, cp, r, 1, bool(lb))
 
     def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline

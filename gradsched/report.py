@@ -63,7 +63,8 @@ def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window
                a2a_degree: int | None = None, q_heads: int = 1, kv_heads: int = 1) -> list[int]:
     """The ring steps an attention call runs: all cp of them, fewer with a window shorter than the
     sequence (gradsched.ring_masked skips the steps nobody needs); [] for a2a. Under hybrid the ring
-    runs over cp / a2a_degree ranks on the joint slices of an all-to-all group."""
+    runs over cp / a2a_degree ranks on the joint slices of an all-to-all group. Under
+    load_balance="documents" every document is spread over the sequence: a window skips nothing."""
     from gradsched.cp_comm import resolve_comm
     from gradsched.ring_masked import MaskedRing
     if comm == "auto" or (comm == "hybrid" and a2a_degree is None):
@@ -77,7 +78,8 @@ def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window
     if window is not None and window >= joint * ring_cp:
         window = None
     parts = 2 if load_balance and ring_cp > 1 else 1
-    return MaskedRing(0, ring_cp, causal, load_balance, 1.0, "fp32", joint // parts, window).steps()
+    return MaskedRing(0, ring_cp, causal, bool(load_balance), 1.0, "fp32", joint // parts, window,
+                      window_on_positions=load_balance == "documents").steps()
 
 
 def attention_report(reports) -> str:
@@ -93,6 +95,8 @@ def attention_report(reports) -> str:
                                                  if c.comm == "hybrid" else "")
             if c.window is not None:
                 line += f", window {c.window}"
+            if c.load_balance == "documents":
+                line += ", documents balanced over the ranks"
             if c.comm in ("ring", "allgather", "hybrid") and c.local_len:
                 steps = ring_steps(rep.cp, c.local_len, c.causal, c.load_balance, c.window, c.comm, c.a2a_degree)
                 line += f", ring steps {steps} of {rep.cp // (c.a2a_degree if c.comm == 'hybrid' else 1)}"

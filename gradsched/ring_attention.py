@@ -210,7 +210,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                    return_lse: bool = False, call: str = "ring_attention",
                    fewest_roundings: bool | None = None, window: int | None = None,
                    position_ids: torch.Tensor | None = None, key_padding: torch.Tensor | None = None,
-                   a2a_degree: int | None = None):
+                   a2a_degree: int | None = None, seq_idx: torch.Tensor | None = None):
     """Attention of local q over the K/V of every rank of the CP group `group_name`.
 
     q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
@@ -224,7 +224,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
 
     Masks (gradsched.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
     a new one wherever positions do not step by 1) and `key_padding` (bool, False: a pad), the
-    latter two [B or 1, L], this rank's slice in the same layout as q. The ring then runs
+    latter two [B or 1, L], this rank's slice in the same layout as q; `seq_idx` [B or 1, L]:
+    explicit documents (the document-balanced layout), the window then measured on position_ids. The ring then runs
     gradsched.ring_masked (steps with nothing to compute skipped); comm='a2a' applies the mask to
     its whole-sequence call.
 
@@ -235,10 +236,12 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
         fewest_roundings = fewest_roundings_default(q.device.type)
     rank, cp = group_rank_and_size(group_name)
     check_mask_args(call, causal=causal, window=window, position_ids=position_ids, key_padding=key_padding,
-                    seq_len=q.shape[2], batch=q.shape[0])
+                    seq_len=q.shape[2], batch=q.shape[0], seq_idx=seq_idx)
     if window is not None and window >= q.shape[2] * cp:
         window = None  # a window over the whole sequence is plain causal attention
-    masked = window is not None or position_ids is not None or key_padding is not None
+    if seq_idx is not None and window is None:
+        position_ids = None  # explicit documents: positions would only measure the window
+    masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
     choice = check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
                                   cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                                   comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
@@ -252,7 +255,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
         from gradsched.hybrid import hybrid_attention
         return hybrid_attention(q, k, v, group_name, cp, choice.a2a, ring_call=ring_attention, causal=causal,
                                 scale=float(scale), load_balance=load_balance, return_lse=return_lse,
-                                position_ids=position_ids, key_padding=key_padding, accumulate=accumulate,
+                                position_ids=position_ids, key_padding=key_padding, seq_idx=seq_idx,
+                                accumulate=accumulate,
                                 fewest_roundings=fewest_roundings, window=window, call=call)
     if comm == "hybrid":  # a degree of cp is Ulysses, of 1 the ring
         comm = "a2a" if choice.a2a == cp else "ring"
@@ -263,9 +267,10 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
         from gradsched.ulysses import ulysses_attention
         return ulysses_attention(q, k, v, group_name, cp, causal=causal, scale=float(scale),
                                  load_balance=load_balance, window=window, position_ids=position_ids,
-                                 key_padding=key_padding)
+                                 key_padding=key_padding, seq_idx=seq_idx)
     if masked:
-        out, lse = MaskedRingAttention.apply(q, k, v, position_ids, key_padding, group_name, rank, cp, causal,
+        out, lse = MaskedRingAttention.apply(q, k, v, position_ids, key_padding, seq_idx, group_name, rank, cp,
+                                             causal,
                                              float(scale), accumulate, load_balance, window,
                                              bool(fewest_roundings))
         return (out, lse) if return_lse else out

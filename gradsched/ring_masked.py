@@ -6,6 +6,10 @@ What a block of (local row chunk, visiting K/V chunk) sees follows from two thin
   no shorter than the chunk) or `partial`. `MaskedRing.steps` keeps only the ring steps at
   which some rank has a non-empty block: a window shorter than a chunk needs steps 0, 1
   and cp-1 of the load-balanced layout (or 0 and 1 of the plain one), whatever cp is.
+- with explicit documents (seq_idx: the document-balanced layout, where a document's tokens are
+  spread over the sequence in pieces) the window is measured on positions, not on where chunks
+  sit, so it empties no block statically: `window_on_positions` keeps only the causal kinds,
+  and the window becomes part of every block's mask.
 - the per-token document ids and padding, known only at run time: gathered once over the
   CP group at the start of the forward (a few integers per token), in natural order, and
   applied as a mask to every block they touch. Blocks they empty are computed as masked
@@ -31,7 +35,7 @@ import torch
 
 from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.cp_layout import layout_order, rank_chunks
-from gradsched.masks import document_ids, visible
+from gradsched.masks import token_masks, visible
 from gradsched.ring_blocks import expand_heads, flat_kv, operands, reduce_heads, unflat_kv
 from gradsched.ring_schedule import acc_dtype, rounds_results
 
@@ -52,6 +56,12 @@ class MaskedRing:
     per_token: bool = False  # document ids or padding: every block gets a mask tensor
     fewest_roundings: bool = False
     group_name: str = ""
+    window_on_positions: bool = False  # explicit documents: the window is a per-token mask
+
+    @property
+    def chunk_window(self) -> int | None:
+        """The window as far as chunk positions tell (None where they do not)."""
+        return None if self.window_on_positions else self.window
 
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:  # the ring's rule (ring_schedule.acc_dtype)
         return acc_dtype(self.accumulate, dtype)
@@ -63,7 +73,7 @@ class MaskedRing:
         """What row chunk qid sees of key chunk kid, from positions and the window alone."""
         if not self.causal:
             return "full"
-        c, w = self.chunk, self.window
+        c, w = self.chunk, self.chunk_window
         qa, qb, ka, kb = qid * c, qid * c + c - 1, kid * c, kid * c + c - 1
         if ka > qb or (w is not None and kb <= qa - w):
             return "empty"
@@ -97,12 +107,15 @@ class MaskedRing:
 
 # ---- per-token metadata ------------------------------------------------------------------
 
-def gather_tokens(position_ids, key_padding, cp: int, group_name: str, load_balance: bool, seq_len: int):
-    """(document ids, key keep mask) over the whole sequence in natural order, [B', S] each
-    (None where not given), from each rank's slice in cp_layout's order: one all-gather."""
-    if position_ids is None and key_padding is None:
-        return None, None
-    parts = [t.long() for t in (position_ids, key_padding) if t is not None]
+def gather_tokens(position_ids, key_padding, cp: int, group_name: str, load_balance: bool, seq_len: int,
+                  seq_idx=None):
+    """(document ids, key keep mask, positions for the window) over the whole sequence in sequence
+    order, [B', S] each (None where not given or not needed: positions only with seq_idx), from each
+    rank's slice in cp_layout's order: one all-gather."""
+    if position_ids is None and key_padding is None and seq_idx is None:
+        return None, None, None
+    given = [t for t in (position_ids, key_padding, seq_idx) if t is not None]
+    parts = [t.long() for t in given]
     rows = max(t.shape[0] for t in parts)
     local = torch.stack([t.expand(rows, -1) for t in parts])  # [n, B', L]
     if cp == 1:
@@ -111,15 +124,15 @@ def gather_tokens(position_ids, key_padding, cp: int, group_name: str, load_bala
         got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.contiguous(), cp, group_name))
         laid = got.view(cp, *local.shape).permute(1, 2, 0, 3).reshape(local.shape[0], rows, seq_len)
         full = laid.index_select(2, torch.argsort(layout_order(seq_len, cp, load_balance, device=local.device)))
-    doc = document_ids(full[0]) if position_ids is not None else None
-    keep = full[-1].bool() if key_padding is not None else None
-    return doc, keep
+    rows_of = iter(range(len(given)))
+    return natural_tokens(*(full[next(rows_of)] if t is not None else None
+                            for t in (position_ids, key_padding, seq_idx)))
 
 
-def natural_tokens(position_ids, key_padding):
-    """gather_tokens for one process: the whole sequence is already in natural order."""
-    doc = document_ids(position_ids) if position_ids is not None else None
-    return doc, (key_padding.bool() if key_padding is not None else None)
+def natural_tokens(position_ids, key_padding, seq_idx=None):
+    """gather_tokens for one process: the whole sequence is already in sequence order."""
+    doc, pos = token_masks(position_ids, seq_idx)
+    return doc, (key_padding.bool() if key_padding is not None else None), pos
 
 
 # ---- one kernel call ---------------------------------------------------------------------
@@ -135,11 +148,11 @@ def _call_mask(ring: MaskedRing, qid: int, pieces, tokens, dtype, device):
     c = ring.chunk
     q_idx = torch.arange(qid * c, qid * c + c, device=device)
     k_idx = torch.cat([torch.arange(kid * c, kid * c + c, device=device) for kid, _ in pieces])
-    doc, keep = tokens
-    seen = visible(q_idx, k_idx, causal=ring.causal, window=ring.window,
-                   q_doc=doc.index_select(1, q_idx) if doc is not None else None,
-                   k_doc=doc.index_select(1, k_idx) if doc is not None else None,
-                   k_keep=keep.index_select(1, k_idx) if keep is not None else None)[:, None]
+    doc, keep, pos = tokens
+    pick = lambda t, idx: t.index_select(1, idx) if t is not None else None  # noqa: E731
+    seen = visible(q_idx, k_idx, causal=ring.causal, window=ring.window, q_doc=pick(doc, q_idx),
+                   k_doc=pick(doc, k_idx), k_keep=pick(keep, k_idx), q_pos=pick(pos, q_idx),
+                   k_pos=pick(pos, k_idx))[:, None]
     mask = torch.zeros(seen.shape, dtype=dtype, device=device).masked_fill(~seen, float("-inf"))
     return False, mask, ~seen.any(-1)
 
@@ -310,23 +323,23 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
 
 class MaskedRingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, position_ids, key_padding, group_name, rank, cp, causal, scale, accumulate,
-                load_balance, window, fewest_roundings):
+    def forward(ctx, q, k, v, position_ids, key_padding, seq_idx, group_name, rank, cp, causal, scale,
+                accumulate, load_balance, window, fewest_roundings):
         parts = len(rank_chunks(rank, cp, load_balance)) if cp > 1 else 1
         ring = MaskedRing(rank, cp, causal, load_balance, scale, accumulate, q.shape[2] // parts, window,
-                          position_ids is not None or key_padding is not None, fewest_roundings, group_name)
+                          any(t is not None for t in (position_ids, key_padding, seq_idx)), fewest_roundings,
+                          group_name, window_on_positions=seq_idx is not None)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        doc, keep = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, q.shape[2] * cp)
-        out, lse, saved = _ring_forward(q, k, v, (doc, keep), ring)
-        ctx.ring, ctx.has = ring, (doc is not None, keep is not None)
-        ctx.save_for_backward(q, k, v, saved, lse, *(t for t in (doc, keep) if t is not None))
+        tokens = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, q.shape[2] * cp, seq_idx)
+        out, lse, saved = _ring_forward(q, k, v, tokens, ring)
+        ctx.ring, ctx.has = ring, tuple(t is not None for t in tokens)
+        ctx.save_for_backward(q, k, v, saved, lse, *(t for t in tokens if t is not None))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse, *rest = ctx.saved_tensors
-        doc = rest.pop(0) if ctx.has[0] else None
-        keep = rest.pop(0) if ctx.has[1] else None
-        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, (doc, keep), ctx.ring)
-        return (dq, dk, dv) + (None,) * 11
+        tokens = tuple(rest.pop(0) if has else None for has in ctx.has)
+        dq, dk, dv = _ring_backward(dout, q, k, v, out, lse, tokens, ctx.ring)
+        return (dq, dk, dv) + (None,) * 12

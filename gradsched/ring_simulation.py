@@ -99,23 +99,25 @@ def rank_windows(ring: Ring, ends: set[int], ks, vs):
 
 
 def masked_rings(q, cp: int, causal: bool, load_balance: bool, scale: float, accumulate: str, window,
-                 per_token: bool, fewest_roundings: bool) -> list[MaskedRing]:
+                 per_token: bool, fewest_roundings: bool, window_on_positions: bool = False) -> list[MaskedRing]:
     parts = 2 if load_balance and cp > 1 else 1
     return [MaskedRing(r, cp, causal, load_balance, scale, accumulate, q.shape[2] // (cp * parts), window,
-                       per_token, fewest_roundings) for r in range(cp)]
+                       per_token, fewest_roundings, window_on_positions=window_on_positions) for r in range(cp)]
 
 
 def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, scale: float, load_balance: bool,
-                         grad_out, fewest_roundings: bool, window, position_ids, key_padding) -> SimResult:
+                         grad_out, fewest_roundings: bool, window, position_ids, key_padding,
+                         seq_idx=None) -> SimResult:
     """simulate_ring with masks: gradsched.ring_masked's blocks, merges and sums on every rank in
     turn, dK/dV summed at their owner in step order, as the ring sums them."""
 
     check_mask_args("simulate_ring", causal=causal, window=window, position_ids=position_ids,
-                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0])
+                    key_padding=key_padding, seq_len=q.shape[2], batch=q.shape[0], seq_idx=seq_idx)
     check_masked_call("simulate_ring", comm="ring", cp=cp, local_len=q.shape[2] // cp, load_balance=load_balance)
     rings = masked_rings(q, cp, causal, load_balance, scale, accumulate, window,
-                         position_ids is not None or key_padding is not None, fewest_roundings)
-    tokens = natural_tokens(position_ids, key_padding)
+                         any(t is not None for t in (position_ids, key_padding, seq_idx)), fewest_roundings,
+                         window_on_positions=seq_idx is not None)
+    tokens = natural_tokens(position_ids, key_padding, seq_idx)
 
     qs, ks, vs = (_cut(x, cp, load_balance) for x in (q, k, v))
 
@@ -155,13 +157,14 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
                   grad_out: torch.Tensor | None = None,
                   fewest_roundings: bool | None = None, window: int | None = None,
                   position_ids: torch.Tensor | None = None,
-                  key_padding: torch.Tensor | None = None) -> SimResult:
+                  key_padding: torch.Tensor | None = None, seq_idx: torch.Tensor | None = None) -> SimResult:
     """Run the cp-rank ring on one device: same blocks, merges and sums, in the same order.
 
     q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
     are cut into the cp_layout shards, every rank's steps run in turn, and the results
-    are put back in natural order. Masks (window, position_ids, key_padding: gradsched.masks)
-    over the whole sequence in natural order run the masked ring (gradsched.ring_masked).
+    are put back in natural order. Masks (window, position_ids, key_padding, seq_idx:
+    gradsched.masks) over the whole sequence in sequence order run the masked ring
+    (gradsched.ring_masked).
     """
 
     fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
@@ -169,10 +172,12 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
         scale = 1.0 / math.sqrt(q.shape[-1])
     if window is not None and window >= q.shape[2]:
         window = None
-    if window is not None or position_ids is not None or key_padding is not None:
+    if seq_idx is not None and window is None:
+        position_ids = None  # explicit documents: positions would only measure the window
+    if window is not None or position_ids is not None or key_padding is not None or seq_idx is not None:
         return simulate_masked_ring(q, k, v, cp, causal, accumulate, scale=float(scale), load_balance=load_balance,
                                     grad_out=grad_out, fewest_roundings=fewest_roundings, window=window,
-                                    position_ids=position_ids, key_padding=key_padding)
+                                    position_ids=position_ids, key_padding=key_padding, seq_idx=seq_idx)
     if q.shape[2] % cp:
         raise unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
                            f"by cp={cp}", "Pad the sequence.")

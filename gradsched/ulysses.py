@@ -101,16 +101,17 @@ class _KVToHeads(torch.autograd.Function):
 
 def ulysses_attention(q, k, v, group_name: str, cp: int, *, causal: bool, scale: float,
                       load_balance: bool, window: int | None = None, position_ids=None,
-                      key_padding=None) -> torch.Tensor:
+                      key_padding=None, seq_idx=None) -> torch.Tensor:
     """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's tokens in the cp_layout order; returns
     out [B, Hq, L, Dv] in the same order. A window, documents (position_ids) or padding
     (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.masks)."""
     mask = None
-    if window is not None or position_ids is not None or key_padding is not None:
+    if window is not None or position_ids is not None or key_padding is not None or seq_idx is not None:
         seq = q.shape[2] * cp
-        doc, keep = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, seq)
+        doc, keep, pos = gather_tokens(position_ids, key_padding, cp, group_name, load_balance, seq, seq_idx)
         idx = torch.arange(seq, device=q.device)
-        mask = visible(idx, idx, causal=causal, window=window, q_doc=doc, k_doc=doc, k_keep=keep)[:, None]
+        mask = visible(idx, idx, causal=causal, window=window, q_doc=doc, k_doc=doc, k_keep=keep,
+                       q_pos=pos, k_pos=pos)[:, None]
     order = layout_order(q.shape[2] * cp, cp, load_balance, device=q.device)  # slot -> position
     natural = torch.argsort(order)  # position -> slot
     q = _Redistribute.apply(q, cp, group_name, True).index_select(2, natural)

@@ -75,8 +75,8 @@ CPU_FLASH = AttentionForm("aten._scaled_dot_product_flash_attention_for_cpu", _C
 FLASH_ATTN = AttentionForm("flash_attn_func", _FLASH_ATTN_PARAMS, "causal", "softmax_scale",
                            seq_major=True)
 MASKED = AttentionForm("gradsched.attention", ("q", "k", "v", "causal", "scale", "window", "position_ids",
-                                               "key_padding"), "causal", "scale", causal_default=True,
-                       masks=("window", "position_ids", "key_padding"))
+                                               "key_padding", "seq_idx"), "causal", "scale", causal_default=True,
+                       masks=("window", "position_ids", "key_padding", "seq_idx"))
 """gradsched.masks.attention: a window, documents and padding as arguments, not a mask tensor. Found by
 the custom op's name (the pass does not import gradsched)."""
 _MASKED_OPS = ("gradsched.attention", "gradsched.attention.default")
@@ -122,7 +122,7 @@ class LoweredAttention:
     why: str = ""
     window: int | None = None
     local_len: int | None = None  # one rank's slice of the sequence
-    load_balance: bool = True
+    load_balance: bool | str = True  # "documents": the document-balanced layout (gradsched.cp_layout)
 
 
 @dataclass
@@ -172,6 +172,17 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     q_heads = _int(q_shape, heads[0])
     kv_heads = _int(k_shape, heads[0])
     local_len = _int(q_shape, heads[1])
+    if load_balance == "documents" and args.get("seq_idx") is None:
+        raise RingAttentionError(
+            f"{call}: load_balance='documents' reorders every batch row so that each rank holds pieces of every "
+            "document, and this attention call is not told the documents (seq_idx), so it would attend across "
+            "them in the reordered sequence. Call gradsched.masks.attention(..., seq_idx=...) (gradsched.hf."
+            "CausalLM does, given seq_idx), or use load_balance=True.")
+    if load_balance == "documents":
+        load_balance = True  # the reordered sequence is cut head-tail; seq_idx carries the documents
+        documents = True
+    else:
+        documents = False
     masked = any(args.get(m) is not None for m in form.masks)
     choice = spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
                         local_len=local_len if local_len is not None else 0, cp=cp,
@@ -205,7 +216,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     graph.erase_node(node)
     return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
                             getattr(choice, "a2a", 1), getattr(choice, "why", ""), args.get("window"), local_len,
-                            load_balance)
+                            "documents" if documents else load_balance)
 
 
 def _bind(node: fx.Node, form: AttentionForm) -> dict:

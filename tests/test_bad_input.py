@@ -39,6 +39,15 @@ def test_unknown_or_invalid_options_are_named():
         gradsched.SyncOptions(mode="bogus")
     with pytest.raises(ValueError, match="needs shard=True"):
         gradsched.SyncOptions(mode="shard_aligned", shard=False)
+    for bad in ("docs", 1, None):
+        with pytest.raises(ValueError, match=f"load_balance={bad!r} is not one of"):
+            gradsched.SyncOptions(load_balance=bad)
+
+
+def test_the_document_balanced_layout_refuses_a_model_that_cannot_take_seq_idx():
+    plan = gradsched.ParallelPlan(pp=1, dp=1, cp=2)  # sizes only: no process group is touched
+    with pytest.raises(ValueError, match="load_balance='documents' calls TinyGPT with"):
+        gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, load_balance="documents")
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_names_a_schedule_that_works():

@@ -260,3 +260,22 @@ def test_auto_is_resolved_per_call_at_compile_time_and_the_report_says_why():
 def test_hybrid_is_lowered_with_its_degree():
     gm, report = lower_with_report(dynamo_graph(two_layers, *qkv()), cp=4, comm="hybrid")
     assert [(n.kwargs["comm"], n.kwargs["a2a_degree"]) for n in calls(gm, ring_attention)] == [("hybrid", 2)] * 2
+
+
+def test_the_document_balanced_layout_refuses_attention_that_is_not_told_the_documents():
+    # load_balance="documents" reorders the sequence: a call without seq_idx would attend across documents
+    with pytest.raises(RingAttentionError, match="not told the documents"):
+        lower(dynamo_graph(two_layers, *qkv()), load_balance="documents")
+
+
+def test_the_document_balanced_layout_lowers_calls_given_seq_idx_and_reports_it():
+    from gradsched.masks import attention
+
+    def layer(q, k, v, seq_idx):
+        return attention(q, k, v, seq_idx=seq_idx)
+
+    gm, report = lower_with_report(dynamo_graph(layer, *qkv(), torch.zeros(1, L, dtype=torch.long)),
+                                   load_balance="documents")
+    (node,) = calls(gm, ring_attention)
+    assert node.kwargs["load_balance"] is True and "seq_idx" in node.kwargs
+    assert report.lowered[0].load_balance == "documents"

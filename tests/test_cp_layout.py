@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gradsched.cp_layout import (CPLayoutError, gather_sequence, pad_to_multiple, shard,
+from gradsched.cp_layout import (CPLayoutError, document_order, gather_sequence, pad_to_multiple, shard,
                                  shard_causal_lm_batch, shard_index, shift_labels, unshard)
 from gradsched.launch import run_ranks
 
@@ -77,6 +77,47 @@ def test_shift_labels_does_not_modify_its_input():
 def test_sequence_not_divisible_by_twice_cp_is_refused_with_advice():
     with pytest.raises(CPLayoutError, match=r"length 12 is not divisible by 2\*cp=8.*pad_to_multiple"):
         shard(torch.zeros(1, 12), 4, 0)
+
+
+def _packed(*lengths):
+    return torch.cat([torch.arange(n) for n in lengths])[None]
+
+
+DOCUMENTS = [(6, 2, 13, 3), (1, 1, 1, 1, 1, 1, 1, 1, 8), (32,), (3, 29), (5, 18, 1, 26, 14)]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+@pytest.mark.parametrize("lengths", DOCUMENTS)
+def test_document_order_cuts_each_document_into_2cp_near_equal_pieces_in_order(lengths, cp):
+    order = document_order(_packed(*lengths), cp)[0].tolist()
+    assert sorted(order) == list(range(sum(lengths)))  # every token once
+    chunk = sum(lengths) // (2 * cp)
+    start = 0
+    for n in lengths:  # a document's tokens keep their order and fall into chunks as floor/ceil(n / 2cp)
+        slots = [order.index(t) for t in range(start, start + n)]
+        assert slots == sorted(slots)
+        sizes = [sum(1 for s in slots if s // chunk == k) for k in range(2 * cp)]
+        assert set(sizes) <= {n // (2 * cp), -(-n // (2 * cp))}, (n, sizes)
+        start += n
+
+
+def test_document_order_of_one_document_is_the_natural_order():
+    assert document_order(torch.arange(16)[None], 4)[0].tolist() == list(range(16))
+
+
+def test_document_balanced_batch_keeps_each_tokens_position_label_and_document():
+    pos = _packed(6, 2, 13, 3)
+    tokens = torch.arange(100, 124)[None]
+    parts = [shard_causal_lm_batch(tokens, tokens, pos, cp=2, rank=r, load_balance="documents") for r in (0, 1)]
+    natural = {t: i for i, t in enumerate(tokens[0].tolist())}
+    doc = [0] * 6 + [1] * 2 + [2] * 13 + [3] * 3
+    for part in parts:
+        for t, p, y, d in zip(*(part[k][0].tolist() for k in ("input_ids", "position_ids", "shift_labels",
+                                                                "seq_idx"))):
+            i = natural[t]
+            assert (p, d) == (pos[0, i].item(), doc[i])
+            assert y == (t + 1 if i < 23 else -100)  # shifted before the reordering
+    assert sorted(sum((part["input_ids"][0].tolist() for part in parts), [])) == tokens[0].tolist()
 
 
 def test_pad_to_multiple_pads_the_end_only():

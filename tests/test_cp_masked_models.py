@@ -31,11 +31,23 @@ CASES = {
                                                       a2a_degree=2),
     # pipeline stages: positions reach the second stage's attention as a computed value
     "mistral_window16_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, microbatches=2),
+    # load_balance="documents": every row reordered so each rank holds a piece of every document, which the
+    # model is told as seq_idx (the window then measured on positions)
+    "llama_packed_documents_balanced_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="documents",
+                                                   load_balance="documents"),
+    "mistral_window16_packed_documents_balanced_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, inputs="documents",
+                                                                 load_balance="documents", microbatches=2),
+    "qwen2_window16_packed_documents_balanced_cp4_a2a": job("hf_qwen2", 1, 1, 4, inputs="documents",
+                                                            load_balance="documents", comm="a2a"),
+    "llama_packed_documents_balanced_cp4_hybrid": job("hf_llama_documents", 1, 1, 4, inputs="documents",
+                                                      load_balance="documents", comm="hybrid", a2a_degree=2),
 }
 
 INDUCTOR = {
     "inductor_mistral_packed_documents_and_window_dp2_cp2": job("hf_mistral", 1, 2, 2, inputs="documents",
                                                                 compiler="inductor"),
+    "inductor_mistral_packed_documents_balanced_dp2_cp2": job("hf_mistral", 1, 2, 2, inputs="documents",
+                                                              load_balance="documents", compiler="inductor"),
 }
 
 
@@ -68,3 +80,5 @@ def test_the_schedule_report_names_each_attention_calls_scheme_and_ring_steps(ea
     assert "ring, window 16, ring steps [0, 1, 2, 3] of 4 -- a mask: the ring skips" in auto
     hybrid = eager_runs["qwen2_window16_packed_documents_cp4_hybrid"][0]["report"]
     assert "hybrid (a2a over 2 x ring over 2), window 16, ring steps [0, 1] of 2" in hybrid
+    balanced = eager_runs["llama_packed_documents_balanced_dp2_cp2"][0]["report"]
+    assert "ring, documents balanced over the ranks, ring steps [0, 1] of 2" in balanced

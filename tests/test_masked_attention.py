@@ -6,6 +6,10 @@ the HF conventions (window: i - j < W; a new document wherever position ids do n
 padding hides keys), the attention computed in float64 with autograd. Accuracy bound: as in
 tests/test_ring_attention.py, within what the single-device kernel (the CPU flash kernel with the
 same mask over the whole sequence) achieves on the same inputs.
+
+"balanced" masks run the document-balanced layout (load_balance="documents"): the sequence is first
+reordered by gradsched.cp_layout.document_order and the documents handed over as seq_idx; the results
+are put back in natural order before the comparison, so the reference never sees the reordering.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import shard, unshard
+from gradsched.cp_layout import document_order, shard, unshard
+from gradsched.masks import document_ids
 from gradsched.launch import run_ranks
 from gradsched.ring_attention import RingAttentionError, ring_attention
 from gradsched.ring_checks import check_masked_call
@@ -84,6 +89,9 @@ MASKS = {
     "padding": dict(causal=True, pad=True),
     "documents+window": dict(causal=True, window=WINDOW, docs=True),
     "documents+padding, not causal": dict(causal=False, docs=True, pad=True),
+    "balanced documents": dict(causal=True, docs=True, balanced=True),
+    "balanced documents+window": dict(causal=True, window=WINDOW, docs=True, balanced=True),
+    "balanced documents+padding": dict(causal=True, docs=True, pad=True, balanced=True),
 }
 
 
@@ -96,7 +104,10 @@ CASES = {f"{m}-{str(d).removeprefix('torch.')}-{comm}": _case(m, d, comm, i)
                                           + [(m, torch.float32, "a2a") for m in MASKS]
                                           + [("documents+window", torch.bfloat16, "a2a")]
                                           + [("documents+window", torch.float32, "hybrid"),
-                                             ("padding", torch.bfloat16, "hybrid")])}
+                                             ("padding", torch.bfloat16, "hybrid"),
+                                             ("balanced documents+window", torch.float32, "hybrid"),
+                                             ("balanced documents+padding", torch.bfloat16, "hybrid")])
+         if not (m.startswith("balanced") and comm == "a2a" and m != "balanced documents+window")}
 # comm="hybrid" needs cp = a2a degree x ring degree with both > 1: cp=4 only (2 x 2)
 AT = {2: [n for n in CASES if not n.endswith("hybrid")], 4: list(CASES)}
 
@@ -111,12 +122,25 @@ def given(name):
     return c, (q, k, v, dout), args
 
 
+def reordered(name, world, tensors, args):
+    """The tensors ([B, H, S, D]) and mask arguments in the document-balanced order at cp=world, with
+    seq_idx, for a balanced mask; as given otherwise. Returns (tensors, args, order or None)."""
+    if not MASKS[CASES[name]["mask"]].get("balanced"):
+        return tensors, args, None
+    order = document_order(documents(), world)[0]
+    args = dict(args, seq_idx=document_ids(documents()).index_select(1, order),
+                position_ids=documents().index_select(1, order) if args["window"] is not None else None,
+                key_padding=args["key_padding"].index_select(1, order) if args["key_padding"] is not None else None)
+    return tuple(t.index_select(2, order) for t in tensors), args, order
+
+
 def _worker(rank, world, names):
     torch.set_num_threads(1)
     group = dist.group.WORLD.group_name
     results = {}
     for name in names:
         c, (q, k, v, dout), args = given(name)
+        (q, k, v, dout), args, _ = reordered(name, world, (q, k, v, dout), args)
         ql, kl, vl = (shard(x, world, rank, dim=2).requires_grad_() for x in (q, k, v))
         local = {key: (shard(t, world, rank, dim=1) if isinstance(t, torch.Tensor) else t)
                  for key, t in args.items()}
@@ -141,8 +165,11 @@ def run(world):
 
 
 def gathered(world, name):
+    """out, dq, dk, dv over the whole sequence, in natural order."""
     per_rank = [r[name]["local"] for r in run(world)]
-    return [unshard([p[i] for p in per_rank], world, dim=2) for i in range(4)]
+    got = [unshard([p[i] for p in per_rank], world, dim=2) for i in range(4)]
+    _, _, order = reordered(name, world, (), given(name)[2])
+    return got if order is None else [t.index_select(2, torch.argsort(order)) for t in got]
 
 
 @pytest.mark.parametrize("world, name", [(w, n) for w in AT for n in AT[w]])
@@ -182,12 +209,22 @@ def test_a_window_shorter_than_a_chunk_skips_the_ring_steps_nobody_needs(world):
 
 @pytest.mark.parametrize("world", (2, 4))
 def test_simulation_equals_the_ring_bitwise(world):
-    for name in ("documents+window-bfloat16-ring", "padding-float32-ring"):
+    for name in ("documents+window-bfloat16-ring", "padding-float32-ring", "balanced documents+window-bfloat16-ring"):
         c, (q, k, v, dout), args = given(name)
+        (q, k, v, dout), args, order = reordered(name, world, (q, k, v, dout), args)
         sim = simulate_ring(q, k, v, world, args["causal"], grad_out=dout, window=args["window"],
-                            position_ids=args["position_ids"], key_padding=args["key_padding"])
+                            position_ids=args["position_ids"], key_padding=args["key_padding"],
+                            seq_idx=args.get("seq_idx"))
+        back = torch.argsort(order) if order is not None else None
         for a, b in zip((sim.out, sim.dq, sim.dk, sim.dv), gathered(world, name)):
-            assert torch.equal(a, b), name
+            assert torch.equal(a if back is None else a.index_select(2, back), b), name
+
+
+def test_a_window_over_explicit_documents_without_positions_is_refused():
+    # seq_idx: documents need not be contiguous, so only positions can measure the window
+    x = torch.randn(1, 2, 8, 4)
+    with pytest.raises(RingAttentionError, match="pass position_ids as well"):
+        simulate_ring(x, x, x, 2, causal=True, window=4, seq_idx=torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_a_window_without_causal_attention_is_refused():
