@@ -40,6 +40,10 @@ there, 0 expected), and add floor_mean_abs_err, the error of rounding the fp64 a
 --dtype (the rounding floor), with ratio_to_floor. Targets (the masking issue's): fp32
 ratio_to_single <= 1.0, fp32_blocks ratio_to_floor <= 1.02, per tensor: each such row gets
 meets_target. Masked rows are appended to the results file; every row has "mask" (null: none).
+Document rows report the attention work per rank (visible query-key pairs, gradsched.cp_balance) and
+its imbalance (busiest over mean) in both layouts: the head-tail one and load_balance="documents"
+(each document cut into pieces over all ranks); --load-balance documents runs the numerics in the
+latter (the sequence reordered, the documents handed over as seq_idx, results put back in order).
 """
 from __future__ import annotations
 
@@ -200,15 +204,27 @@ def simulated_on_cuda(q, k, v, dout, cfg: dict, cp: int) -> dict:
 
 def simulated_masked(q, k, v, dout, cfg: dict, cp: int, masks: dict) -> dict:
     """{mode: ((out, dq, dk, dv), seconds)} of the masked ring simulated in this process, every
-    rank in turn (seconds: all ranks together)."""
+    rank in turn (seconds: all ranks together). Under load_balance="documents" the sequence is
+    reordered first (gradsched.cp_layout.document_order) and the results put back."""
     from gradsched.ring_simulation import simulate_ring
 
+    back = None
+    if cfg.get("load_balance") == "documents":
+        from gradsched.cp_layout import document_order
+        from gradsched.masks import document_ids
+        order = document_order(masks["position_ids"], cp)[0]
+        q, k, v, dout = (x.index_select(2, order) for x in (q, k, v, dout))
+        masks = {"seq_idx": document_ids(masks["position_ids"]).index_select(1, order)}
+        back = torch.argsort(order)
     results = {}
     for mode in cfg["modes"]:
         t0 = time.perf_counter()
         got = simulate_ring(q, k, v, cp, cfg["causal"], mode.split("+")[0], grad_out=dout,
                             fewest_roundings=False if mode == FAST else None, **masks)
-        results[mode] = ((got.out, got.dq, got.dk, got.dv), time.perf_counter() - t0)
+        tensors = (got.out, got.dq, got.dk, got.dv)
+        if back is not None:
+            tensors = tuple(x.index_select(2, back) for x in tensors)
+        results[mode] = (tensors, time.perf_counter() - t0)
         log(f"simulated masked ring, accumulate={mode}: {results[mode][1]:.1f} s")
     return results
 
@@ -321,6 +337,8 @@ def main(argv=None) -> list[dict]:
                    help="the masked ring, simulated in this process (cpu only; modes default to "
                         f"{','.join(MASK_MODES)})")
     p.add_argument("--window", type=int, default=None, help="--mask window's tokens (default: seq // 8)")
+    p.add_argument("--load-balance", choices=("head_tail", "documents"), default="head_tail",
+                   help="--mask document's layout: head-tail over the sequence, or each document over all ranks")
     a = p.parse_args(argv)
     if a.device == "cuda" and a.modes == ",".join(MODES):
         a.modes = ",".join(CUDA_MODES)
@@ -328,14 +346,16 @@ def main(argv=None) -> list[dict]:
         check_mask_flags(p, a)
     cfg = dict(seq=a.seq, heads=a.heads, kv_heads=a.kv_heads or a.heads, dim=a.dim, batch=a.batch,
                dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","),
-               mask=a.mask, window=a.window)
+               mask=a.mask, window=a.window, load_balance=a.load_balance)
     masks, mask_detail = mask_args(cfg) if a.mask else ({}, {})
-    if a.mask == "document":  # the balanced layout's work per rank with these documents (gradsched.cp_balance)
+    if a.mask == "document":  # both layouts' work per rank with these documents (gradsched.cp_balance)
         from gradsched.cp_balance import imbalance, pairs_per_rank
-        work = pairs_per_rank(masks["position_ids"], a.cp, causal=a.causal)
-        mask_detail.update(pairs_per_rank=work, imbalance=round(imbalance(work), 3))
-        log(f"documents {mask_detail['doc_lengths']}: visible pairs per rank {work}, imbalance "
-            f"{mask_detail['imbalance']} (the busiest rank over the mean; not yet balanced)")
+        for name, lb in (("head_tail", True), ("documents", "documents")):
+            work = pairs_per_rank(masks["position_ids"], a.cp, causal=a.causal, load_balance=lb)
+            mask_detail.update({f"pairs_per_rank_{name}": work, f"imbalance_{name}": round(imbalance(work), 3)})
+            log(f"documents {mask_detail['doc_lengths']}, layout {name}: visible pairs per rank {work}, "
+                f"imbalance {mask_detail[f'imbalance_{name}']} (the busiest rank over the mean)")
+        mask_detail["load_balance"] = a.load_balance
     seen = None
     if a.mask:
         vis = visibility(cfg, **masks)
@@ -399,6 +419,8 @@ def check_mask_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error("--mask runs comm='ring' (allgather takes no masks)")
     if a.seq < 5:
         p.error("--mask needs --seq >= 5")
+    if a.load_balance == "documents" and (a.mask != "document" or not a.causal):
+        p.error("--load-balance documents is for --mask document --causal (it balances causal work)")
     if a.modes == ",".join(MODES):
         a.modes = ",".join(MASK_MODES)
     bad = set(a.modes.split(",")) - set(MASK_MODES)

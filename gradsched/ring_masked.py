@@ -235,8 +235,9 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
     # Under a window a key chunk's dK/dV sums blocks of different calls (its own row chunk's square, the next
     # one's partial block, often on another rank), and a reduced-dtype aten kernel rounds each before the fp32
     # sum: 1.21x the single device's error (cp_numerics --mask window). accumulate="fp32" promises fp32 sums,
-    # so those calls get fp32 operands, as fp32_blocks' do.
-    upcast = ring.window is not None and ring.accumulate == "fp32" and \
+    # so those calls get fp32 operands, as fp32_blocks' do. The same for documents spread in pieces over the
+    # sequence (seq_idx): a row's keys fall in every earlier chunk, and its dq in as many calls (dq 1.053x).
+    upcast = (ring.window is not None or ring.per_token) and ring.accumulate == "fp32" and \
         upcast_operands(q.device.type, q.dtype, "fp32_blocks")
     cast = (lambda *xs: tuple(x.float() for x in xs)) if upcast else (lambda *xs: operands(ring, *xs))
     qo, outo, douto = cast(q, out, dout)
