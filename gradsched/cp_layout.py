@@ -104,9 +104,11 @@ def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
     seq = position_ids.shape[-1]
     n = 2 * cp
     _check(seq, cp, True)
-    rows = []
+    rows = []  # host-side bookkeeping over document lengths, per row
     for doc in document_ids(position_ids).tolist():
-        lengths = torch.bincount(torch.tensor(doc)).tolist()
+        lengths = [0] * (doc[-1] + 1)
+        for d in doc:
+            lengths[d] += 1
         pieces = [[] for _ in range(n)]  # chunk k: (start, size) of each document's piece
         start, carry = 0, 0
         for length in lengths:
@@ -119,8 +121,8 @@ def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
                 pieces[k].append((offset, size))
                 offset += size
             start += length
-        rows.append(torch.cat([torch.arange(a, a + m) for chunk in pieces for a, m in chunk]))
-    return torch.stack(rows).to(position_ids.device)
+        rows.append([i for chunk in pieces for a, m in chunk for i in range(a, a + m)])
+    return torch.tensor(rows, dtype=torch.long, device=position_ids.device)
 
 
 def balance_documents(position_ids: torch.Tensor, cp: int, *tensors: torch.Tensor) -> tuple:

@@ -35,8 +35,9 @@ CASES = {
     # model is told as seq_idx (the window then measured on positions)
     "llama_packed_documents_balanced_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="documents",
                                                    load_balance="documents"),
-    "mistral_window16_packed_documents_balanced_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, inputs="documents",
-                                                                 load_balance="documents", microbatches=2),
+    "mistral_window16_packed_documents_balanced_pp2_cp2_m2_a2a": job("hf_mistral", 2, 1, 2, inputs="documents",
+                                                                     load_balance="documents", microbatches=2,
+                                                                     comm="a2a"),
     "qwen2_window16_packed_documents_balanced_cp4_a2a": job("hf_qwen2", 1, 1, 4, inputs="documents",
                                                             load_balance="documents", comm="a2a"),
     "llama_packed_documents_balanced_cp4_hybrid": job("hf_llama_documents", 1, 1, 4, inputs="documents",
