@@ -1,5 +1,6 @@
-"""The Triton block kernel (gradsched.triton_attention) under TRITON_INTERPRET=1 on the CPU,
-against attention computed in float64.
+"""The Triton block kernel (gradsched.triton_attention) against attention computed in float64:
+under TRITON_INTERPRET=1 on the CPU, or compiled on the GPU where there is one (the same checks;
+references and bounds always on the CPU).
 
 In the interpreter `tl.dot` on bf16 blocks is wrong, so these run fp16 operands (bf16 runs
 in the GPU suite, tests/test_gpu.py). Bounds: every result within the single-device fp16
@@ -21,13 +22,22 @@ from gradsched import triton_attention  # noqa: E402
 H, D = 2, 32
 
 
-if not triton_attention.available("cpu"):
-    if torch.cuda.is_available():
-        pytest.skip("these run Triton's interpreter, which tests/conftest.py turns on only where there is "
-                    "no GPU (tests/test_gpu.py runs the kernel itself)", allow_module_level=True)
+if triton_attention.available("cpu"):
+    DEVICE = "cpu"  # Triton's interpreter
+elif torch.cuda.is_available():
+    DEVICE = "cuda"  # tests/conftest.py leaves the interpreter off where there is a GPU
+else:
     pytest.fail("triton is installed but its interpreter is off on a machine without a GPU: tests/conftest.py "
                 "sets TRITON_INTERPRET=1 before triton is first imported; something imported it earlier or set "
                 "TRITON_INTERPRET=0", pytrace=False)
+
+
+def on(*xs):
+    return tuple(x.to(DEVICE) for x in xs)
+
+
+def back(*xs):
+    return tuple(x.cpu() for x in xs)
 
 
 def visible(lq, lk, causal, window):
@@ -67,7 +77,9 @@ def single_fp16_kernel(q, k, v, dout, causal, window):
 
 
 def triton_block(q, k, v, dout, causal, window, precise):
-    """The kernel as the ring calls it: GQA heads expanded, dk/dv summed back in fp32."""
+    """The kernel as the ring calls it: GQA heads expanded, dk/dv summed back in fp32 (on DEVICE;
+    results back on the CPU)."""
+    q, k, v, dout = on(q, k, v, dout)
     groups = q.shape[1] // k.shape[1]
     ke, ve = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scale = 1 / math.sqrt(q.shape[-1])
@@ -75,7 +87,7 @@ def triton_block(q, k, v, dout, causal, window, precise):
     dq, dk, dv = triton_attention.block_backward(dout, q, ke, ve, out, lse, causal, window, scale,
                                                  precise)
     fold = lambda g: g.view(g.shape[0], k.shape[1], groups, *g.shape[2:]).sum(2)  # noqa: E731
-    return out, lse, dq, fold(dk), fold(dv)
+    return back(out, lse, dq, fold(dk), fold(dv))
 
 
 def block_inputs(lq, lk, kv_heads, seed):
@@ -125,7 +137,7 @@ def test_precise_results_are_far_below_one_fp16_rounding_of_the_exact_answer(sha
 
 def test_rows_that_see_no_key_get_zeros_and_minus_infinite_lse():
     # Causal with more rows than keys: bottom-right aligned, the first 8 rows see nothing.
-    q, k, v, dout = block_inputs(24, 16, H, seed=3)
+    q, k, v, dout = on(*block_inputs(24, 16, H, seed=3))
     out, lse = triton_attention.block_forward(q, k, v, True, 0, D ** -0.5, True)
     assert (out[:, :, :8] == 0).all() and (lse[:, :, :8] == float("-inf")).all()
     assert torch.isfinite(lse[:, :, 8:]).all()
@@ -135,7 +147,7 @@ def test_rows_that_see_no_key_get_zeros_and_minus_infinite_lse():
 
 
 def test_bad_operands_are_refused_with_what_to_do():
-    q = torch.randn(1, 2, 16, D)
+    q = torch.randn(1, 2, 16, D, device=DEVICE)
     with pytest.raises(ValueError, match="fp16 or bf16"):
         triton_attention.block_forward(q, q, q, True, 0, 1.0, False)
     q16 = q.half()
