@@ -35,7 +35,7 @@ class CPLayoutError(ValueError):
     """A sequence that cannot be cut into the context-parallel layout."""
 
 
-LOAD_BALANCE = (True, False, "documents")
+LOAD_BALANCE = (True, False, "documents")  # the values of the load_balance option
 
 
 def rank_chunks(rank: int, cp: int, load_balance: bool = True) -> tuple[int, ...]:

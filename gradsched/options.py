@@ -68,7 +68,8 @@ class SyncOptions:
         if self.comm not in COMMS:
             bad("comm", self.comm, COMMS)
         if not (isinstance(self.load_balance, bool) or self.load_balance == "documents"):
-            bad("load_balance", self.load_balance, (True, False, "documents"))
+            from gradsched.cp_layout import LOAD_BALANCE
+            bad("load_balance", self.load_balance, LOAD_BALANCE)
         if self.a2a_degree is not None and self.comm != "hybrid":
             raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} is for comm='hybrid' (comm is "
                              f"{self.comm!r}): set comm='hybrid', or leave a2a_degree unset.")

@@ -25,6 +25,9 @@ sum in fp32; with `fewest_roundings` (the CPU default) a row chunk's blocks of a
 kernel call (backward: calls of at most the kernel's dq tile). A row that sees nothing in a
 block has its block LSE set to -inf before the merge (the kernels report 0); a row that sees
 nothing at all gets zeros and LSE 0, like the single device's kernel, and zero gradients.
+With a window or a per-token mask, accumulate="fp32" runs the CPU kernel's backward on fp32
+operands: a key's dK/dV (window) or a row's dq (documents in pieces) sums several calls' results,
+which a reduced-dtype kernel would round before the fp32 sum.
 """
 from __future__ import annotations
 
@@ -124,9 +127,8 @@ def gather_tokens(position_ids, key_padding, cp: int, group_name: str, load_bala
         got = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.contiguous(), cp, group_name))
         laid = got.view(cp, *local.shape).permute(1, 2, 0, 3).reshape(local.shape[0], rows, seq_len)
         full = laid.index_select(2, torch.argsort(layout_order(seq_len, cp, load_balance, device=local.device)))
-    rows_of = iter(range(len(given)))
-    return natural_tokens(*(full[next(rows_of)] if t is not None else None
-                            for t in (position_ids, key_padding, seq_idx)))
+    rows_of = iter(full)  # one row per given tensor, in order
+    return natural_tokens(*(next(rows_of) if t is not None else None for t in (position_ids, key_padding, seq_idx)))
 
 
 def natural_tokens(position_ids, key_padding, seq_idx=None):

@@ -3,8 +3,8 @@
 Invariant: after `lower_attention_to_ring`, every attention call of a recognised form
 (ATTENTION_FORMS: F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
 aten._scaled_dot_product_flash_attention_for_cpu, flash-attn's flash_attn_func when
-flash-attn is importable, and gradsched.masks.attention, whose window, position ids and padding
-are handed to the ring as they are) is a call of `spec.attention` (the runtime's ring,
+flash-attn is importable, and gradsched.masks.attention, whose window, position ids, padding
+and explicit documents (seq_idx) are handed to the ring as they are) is a call of `spec.attention` (the runtime's ring,
 gradsched.ring_attention.ring_attention, handed in: passes never import the runtime) over
 the CP group `spec.cp_group_name`: the same inputs, an output of the same shape and dtype, and
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
@@ -13,7 +13,10 @@ cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd lo
 sequence under the load-balanced causal layout) raises RingAttentionError here, at
 compile time (`spec.check` says which). `spec.check` also returns the scheme each call runs
 with: a lowered call carries a concrete comm ("ring", "allgather", "a2a", or "hybrid" with its
-a2a_degree), never "auto", when the call's head counts are static. What was lowered, and which attention-like calls
+a2a_degree), never "auto", when the call's head counts are static. Under
+load_balance="documents" every lowered call carries seq_idx and the head-tail layout
+(load_balance=True); a call without seq_idx is refused (it would attend across documents that
+the reordering interleaved). What was lowered, and which attention-like calls
 of other forms were left local, is returned as a ContextParallelReport so a caller can
 refuse or warn.
 
@@ -46,7 +49,7 @@ class RingSpec:
     causal_default: bool | None = None  # causality of a call that does not state it (None: False)
     accumulate: str = "fp32"
     comm: str = "ring"  # "ring" | "allgather" | "a2a" | "hybrid" | "auto" (resolved per call by `check`)
-    load_balance: bool = True
+    load_balance: bool | str = True  # "documents": every call must carry seq_idx (else refused)
     a2a_degree: int | None = None  # comm="hybrid": the all-to-all group size (None: the largest the heads allow)
 
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -172,17 +175,15 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     q_heads = _int(q_shape, heads[0])
     kv_heads = _int(k_shape, heads[0])
     local_len = _int(q_shape, heads[1])
-    if load_balance == "documents" and args.get("seq_idx") is None:
+    documents = load_balance == "documents"
+    if documents and args.get("seq_idx") is None:
         raise RingAttentionError(
             f"{call}: load_balance='documents' reorders every batch row so that each rank holds pieces of every "
             "document, and this attention call is not told the documents (seq_idx), so it would attend across "
             "them in the reordered sequence. Call gradsched.masks.attention(..., seq_idx=...) (gradsched.hf."
             "CausalLM does, given seq_idx), or use load_balance=True.")
-    if load_balance == "documents":
+    if documents:
         load_balance = True  # the reordered sequence is cut head-tail; seq_idx carries the documents
-        documents = True
-    else:
-        documents = False
     masked = any(args.get(m) is not None for m in form.masks)
     choice = spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
                         local_len=local_len if local_len is not None else 0, cp=cp,
