@@ -25,9 +25,10 @@ sum in fp32; with `fewest_roundings` (the CPU default) a row chunk's blocks of a
 kernel call (backward: calls of at most the kernel's dq tile). A row that sees nothing in a
 block has its block LSE set to -inf before the merge (the kernels report 0); a row that sees
 nothing at all gets zeros and LSE 0, like the single device's kernel, and zero gradients.
-With a window or a per-token mask, accumulate="fp32" runs the CPU kernel's backward on fp32
-operands: a key's dK/dV (window) or a row's dq (documents in pieces) sums several calls' results,
-which a reduced-dtype kernel would round before the fp32 sum.
+With a window or a per-token mask, accumulate="fp32" runs the CPU kernel on fp32 operands, forward
+and backward (`MaskedRing.cast`): a key's dK/dV (window) or a row's dq (documents in pieces) sums
+several calls' results, which a reduced-dtype kernel would round before the fp32 sum, and the
+forward's calls split keys differently from the single device's one call.
 """
 from __future__ import annotations
 
@@ -68,6 +69,18 @@ class MaskedRing:
 
     def acc_dtype(self, dtype: torch.dtype) -> torch.dtype:  # the ring's rule (ring_schedule.acc_dtype)
         return acc_dtype(self.accumulate, dtype)
+
+    def cast(self, *xs):
+        """Kernel operands. accumulate="fp32" with a window or a per-token mask gives a kernel that
+        returns its operands' dtype (the CPU aten kernel) fp32 operands, as "fp32_blocks" does: the
+        blocks of such a call are split differently from the single device's one call (another tile
+        split forward; sums over calls and ranks backward), and rounding each to bf16 lost to the
+        single device (out 1.002x, dK 1.21x its error). Otherwise as the ring (ring_blocks.operands)."""
+        x = xs[0]
+        if (self.window is not None or self.per_token) and self.accumulate == "fp32" and \
+                upcast_operands(x.device.type, x.dtype, "fp32_blocks"):
+            return tuple(x.float() for x in xs)
+        return operands(self, *xs)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         return rank_chunks(rank, self.cp, self.load_balance) if self.cp > 1 else (0,)
@@ -201,11 +214,11 @@ def rank_forward(ring: MaskedRing, q, kv_at, tokens):
     held at that step (called in step order)."""
     heads, parts = q.shape[1], len(ring.chunks(ring.rank))
     dtype = ring.acc_dtype(q.dtype)
-    (qo,) = operands(ring, q)
+    (qo,) = ring.cast(q)
     rows = qo.chunk(parts, dim=2)
     state = [[None, None] for _ in range(parts)]
     for group in ring.groups(rounds_results(q.dtype)):
-        kvs = {s: operands(ring, *kv_at(s)) for s in group}
+        kvs = {s: ring.cast(*kv_at(s)) for s in group}
         for p, pieces in _calls(ring, ring.rank, group, None):
             qid = ring.chunks(ring.rank)[p]
             k, v = _keys(pieces, kvs, parts)
@@ -234,20 +247,12 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
     """dq (accumulation dtype); give_back(step, flat dK/dV) for every step in order."""
     heads, parts = q.shape[1], len(ring.chunks(ring.rank))
     dtype = ring.acc_dtype(q.dtype)
-    # Under a window a key chunk's dK/dV sums blocks of different calls (its own row chunk's square, the next
-    # one's partial block, often on another rank), and a reduced-dtype aten kernel rounds each before the fp32
-    # sum: 1.21x the single device's error (cp_numerics --mask window). accumulate="fp32" promises fp32 sums,
-    # so those calls get fp32 operands, as fp32_blocks' do. The same for documents spread in pieces over the
-    # sequence (seq_idx): a row's keys fall in every earlier chunk, and its dq in as many calls (dq 1.053x).
-    upcast = (ring.window is not None or ring.per_token) and ring.accumulate == "fp32" and \
-        upcast_operands(q.device.type, q.dtype, "fp32_blocks")
-    cast = (lambda *xs: tuple(x.float() for x in xs)) if upcast else (lambda *xs: operands(ring, *xs))
-    qo, outo, douto = cast(q, out, dout)
+    qo, outo, douto = ring.cast(q, out, dout)
     rows = [x.chunk(parts, dim=2) for x in (qo, outo, douto.contiguous(), lse)]
     dq = [torch.zeros(r.shape, dtype=dtype, device=q.device) for r in rows[0]]
     limit = dq_tile(q.device.type, q.dtype)
     for group in ring.groups(rounds_results(q.dtype)):
-        kvs = {s: cast(*kv_at(s)) for s in group}
+        kvs = {s: ring.cast(*kv_at(s)) for s in group}
         grads = {s: torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device) for s in group}
         for p, pieces in _calls(ring, ring.rank, group, limit):
             qid = ring.chunks(ring.rank)[p]

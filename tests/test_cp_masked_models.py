@@ -31,6 +31,8 @@ CASES = {
                                                       a2a_degree=2),
     # pipeline stages: positions reach the second stage's attention as a computed value
     "mistral_window16_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, microbatches=2),
+    # local and global layers in different stages, the padding mask handed to an unchanged call per stage
+    "gemma3_right_padding_pp2_cp2_m2_a2a": job("hf_gemma3", 2, 1, 2, inputs="padding", microbatches=2, comm="a2a"),
     # load_balance="documents": every row reordered so each rank holds a piece of every document, which the
     # model is told as seq_idx (the window then measured on positions)
     "llama_packed_documents_balanced_dp2_cp2": job("hf_llama_documents", 1, 2, 2, inputs="documents",
@@ -52,6 +54,14 @@ INDUCTOR = {
 }
 
 
+# 8 ranks: the pipeline's two stages each run their own hybrid (all-to-all groups {0,1}, {2,3} x ring groups
+# {0,2}, {1,3} of the stage's CP ranks), created by that stage's ranks alone
+EIGHT_RANKS = {
+    "mistral_window16_packed_documents_pp2_cp4_m2_hybrid": job("hf_mistral", 2, 1, 4, inputs="documents",
+                                                               microbatches=2, comm="hybrid", a2a_degree=2),
+}
+
+
 @pytest.fixture(scope="module")
 def eager_runs():
     return run_jobs(CASES)
@@ -65,6 +75,18 @@ def inductor_runs():
 @pytest.mark.parametrize("name", list(CASES))
 def test_masked_model_trains_like_one_process(name, eager_runs):
     assert_like_one_process(CASES[name], eager_runs[name])
+
+
+@pytest.fixture(scope="module")
+def eight_rank_runs():
+    return run_jobs(EIGHT_RANKS, world=8)
+
+
+@pytest.mark.parametrize("name", list(EIGHT_RANKS))
+def test_masked_model_on_eight_ranks_trains_like_one_process(name, eight_rank_runs):
+    assert_like_one_process(EIGHT_RANKS[name], eight_rank_runs[name])
+    for r in eight_rank_runs[name]:  # each stage lowered its own layers' calls to the hybrid
+        assert "hybrid (a2a over 2 x ring over 2), window 16" in r["report"]
 
 
 @pytest.mark.parametrize("name", list(INDUCTOR))

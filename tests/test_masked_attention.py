@@ -250,15 +250,16 @@ def test_allgather_with_a_mask_is_refused_naming_the_alternatives():
         check_masked_call("ring_attention", comm="allgather", cp=2, local_len=8, load_balance=True)
 
 
-@pytest.mark.parametrize("name", ["window-bfloat16-ring", "balanced documents-bfloat16-ring"])
+@pytest.mark.parametrize("name", ["window-bfloat16-ring", "balanced documents-bfloat16-ring",
+                                  "padding-bfloat16-ring"])
 @pytest.mark.parametrize("world", (2, 4))
-def test_bf16_gradients_are_no_less_accurate_than_the_single_device(world, name):
+def test_bf16_results_are_no_less_accurate_than_the_single_device(world, name):
     # a key chunk's dK/dV (window) or a row's dq (documents in pieces) sums kernel calls: in fp32 mode they
     # must not be rounded to bf16 before that sum (they were: 1.2x and 1.05x the single device's mean error
-    # at cp_numerics' size)
+    # at cp_numerics' size); the forward's calls split keys otherwise than the single device's (out was 1.002x)
     c, (q, k, v, dout), args = given(name)
     mask = reference_mask(args["causal"], args["window"], args["position_ids"], args["key_padding"])
     ref, single = fp64_reference(q, k, v, dout, mask), single_device(q, k, v, dout, mask)
-    for label, got, s, r in list(zip(("out", "dq", "dk", "dv"), gathered(world, name), single, ref))[1:]:
+    for label, got, s, r in zip(("out", "dq", "dk", "dv"), gathered(world, name), single, ref):
         ring_err, single_err = ((t.double() - r).abs().mean().item() for t in (got, s))
         assert ring_err <= single_err, f"{label}: mean error {ring_err:.3g} > the single device's {single_err:.3g}"

@@ -93,10 +93,10 @@ def _fix(job_):  # options that are dtypes travel as names (readable case table)
     return job_
 
 
-def run_jobs(cases: dict) -> dict:
-    """Every job of `cases` on one set of 4 ranks: name -> the ranks' results."""
+def run_jobs(cases: dict, world: int = 4) -> dict:
+    """Every job of `cases` on one set of `world` ranks: name -> the ranks' results."""
     jobs = [_fix(j) for j in cases.values()]
-    per_rank = run_ranks(rank_jobs, 4, jobs, timeout_s=900)
+    per_rank = run_ranks(rank_jobs, world, jobs, timeout_s=900)
     return {name: [r[i] for r in per_rank] for i, name in enumerate(cases)}
 
 
