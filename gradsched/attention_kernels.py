@@ -60,11 +60,11 @@ def choose_kernel(device_type: str, dtype: torch.dtype, has_mask: bool,
                       "context parallelism (cp=1).")
 
 
-def upcast_operands(device_type: str, dtype: torch.dtype, accumulate: str) -> bool:
+def upcast_operands(device_type: str, dtype: torch.dtype, accumulate: str, has_mask: bool = False) -> bool:
     """Whether "fp32_blocks" must hand this kernel fp32 operands to get fp32 results (the aten
-    kernels); the Triton kernel gets them from bf16/fp16 operands."""
+    kernels); the Triton kernel gets them from bf16/fp16 operands (it takes no mask)."""
     return accumulate == "fp32_blocks" and dtype != torch.float32 and \
-        choose_kernel(device_type, dtype, False, accumulate) != "triton_fp32"
+        choose_kernel(device_type, dtype, has_mask, accumulate) != "triton_fp32"
 
 
 def dq_tile(device_type: str, dtype: torch.dtype) -> int | None:
@@ -76,11 +76,12 @@ def dq_tile(device_type: str, dtype: torch.dtype) -> int | None:
 
 
 def _bias(mask, q):
-    """An additive mask as the efficient kernel takes it: 4-D, its rows 16-aligned."""
+    """An additive mask ([rows, n], or [B or 1, H or 1, rows, n] as the masked ring gives it) as
+    the efficient kernel takes it: 4-D, its rows 16-aligned."""
     if mask is None:
         return None
-    rows, n = mask.shape
-    padded = torch.nn.functional.pad(mask, (0, -n % 16))[:, :n]
+    rows, n = mask.shape[-2:]
+    padded = torch.nn.functional.pad(mask, (0, -n % 16))[..., :n]
     return padded.expand(q.shape[0], q.shape[1], rows, n)
 
 

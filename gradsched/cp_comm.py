@@ -5,10 +5,11 @@ the scheme, its all-to-all degree (1: ring only; cp: all-to-all only) and why. A
 the head counts cannot run is refused, naming the sizes and what would run. `comm="auto"` picks
 by these rules, in order:
 
-1. A mask (window, documents, padding) -> ring. The ring skips the blocks and steps nothing sees
-   (a window shorter than the sequence skips whole steps); the all-to-all's one call over the
-   whole sequence computes every masked element densely (with a mask tensor the kernels compute,
-   and read, all of it).
+1. A causal mask (a window, documents, padding) -> ring. The ring skips the blocks causality empties
+   and the steps a window leaves empty; the all-to-all's one call over the whole sequence with a
+   mask tensor cannot take the kernel's causal path, and computes (and reads) the whole square.
+   A mask on non-causal attention costs both schemes the whole square: the rules below decide. (A
+   window no shorter than the sequence is no mask: the lowering drops it first.)
 2. Heads that split over all cp ranks without repeating a key/value head -> a2a: the unchanged
    kernel over the whole sequence (no blocks to merge), and for moderate cp fewer bytes than the
    ring (q, k, v and out cross once; the ring passes K/V cp - 1 times and dK/dV in fp32).
@@ -47,14 +48,15 @@ def _degrees(q_heads: int, kv_heads: int, cp: int) -> list[int]:
     return [a for a in range(cp, 1, -1) if cp % a == 0 and heads_allow(q_heads, kv_heads, a)]
 
 
-def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool, needs_lse: bool = False) -> CommChoice:
+def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool, needs_lse: bool = False,
+                causal: bool = True) -> CommChoice:
     """comm='auto' (the rules in the module docstring). needs_lse: the call returns its log-sum-exp,
     which a2a's unchanged call does not give (hybrid's ring does)."""
     if cp == 1:
         return CommChoice("ring", 1, "cp=1: nothing to communicate")
-    if masked:
-        return CommChoice("ring", 1, "a mask: the ring skips blocks and steps nothing sees, an all-to-all "
-                          "would compute the whole masked square")
+    if masked and causal:
+        return CommChoice("ring", 1, "a causal mask: the ring skips the blocks (and a window's steps) nobody "
+                          "sees, an all-to-all's masked call would compute the whole square")
     degrees = [a for a in _degrees(q_heads, kv_heads, cp) if not (needs_lse and a == cp)]
     whole = [a for a in degrees if kv_heads % a == 0]
     for pool, note in ((whole, ""), (degrees, f", each of the {kv_heads} key/value heads repeated")):
@@ -70,10 +72,11 @@ def choose_comm(*, q_heads: int, kv_heads: int, cp: int, masked: bool, needs_lse
 
 
 def resolve_comm(comm: str, a2a_degree: int | None, *, call: str, q_heads: int, kv_heads: int, cp: int,
-                 masked: bool, needs_lse: bool = False) -> CommChoice:
+                 masked: bool, needs_lse: bool = False, causal: bool = True) -> CommChoice:
     """The scheme a call runs with; raises RingAttentionError for one its heads cannot run."""
     if comm == "auto":
-        return choose_comm(q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked, needs_lse=needs_lse)
+        return choose_comm(q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked, needs_lse=needs_lse,
+                           causal=causal)
     if comm in ("ring", "allgather"):
         return CommChoice(comm, 1, "asked for")
     if comm == "a2a":

@@ -18,7 +18,8 @@ Ulysses, and which is SDPA in one process):
 - explicit documents: seq_idx [B, S] (HF's name for it), which the document-balanced layout
   needs (gradsched.cp_layout, load_balance="documents"): documents are then the equal
   seq_idx, and positions only place tokens and measure the window.
-Anything else a layer computes (logit soft-capping, attention sinks, dropout) is refused
+Anything else a layer computes (logit soft-capping, attention sinks, dropout, bidirectional or
+chunked attention, a mask bent by the model's own mask function) is refused
 with UnsupportedAttention naming the model, the layer and the feature, at construction
 and again if HF hands such an argument to the attention function: it never computes a
 different attention silently.
@@ -44,7 +45,29 @@ def _layer_features(module) -> list[str]:
         out.append(f"attention logit soft-capping at {softcap}")
     if getattr(module, "sinks", None) is not None:
         out.append("attention sinks")
+    if getattr(module, "is_causal", True) is False:
+        out.append("bidirectional attention (is_causal=False)")
+    layer_types = getattr(module.config, "layer_types", None)
+    if layer_types and module.layer_idx < len(layer_types) and \
+            layer_types[module.layer_idx] not in ("full_attention", "sliding_attention"):
+        out.append(f"'{layer_types[module.layer_idx]}' attention (config.layer_types)")
     return out
+
+
+def _mask_arguments(*args, attention_mask=None, **kwargs):
+    """HF's mask hook: the 2-D padding mask through (the masks it would build become arguments of
+    gradsched.masks.attention). What it was asked to build beyond those is refused, not dropped:
+    a bidirectional mask (asked with allow_is_bidirectional_skip) or one bent by a model's own
+    or_mask_function / and_mask_function (asked with use_vmap=True: e.g. image tokens that see each
+    other both ways)."""
+    config = kwargs.get("config")
+    model = getattr(config, "model_type", "the model")
+    if "allow_is_bidirectional_skip" in kwargs:
+        raise UnsupportedAttention(f"{model} asks for a bidirectional attention mask. {_WHAT_TO_DO}")
+    if kwargs.get("use_vmap"):
+        raise UnsupportedAttention(f"{model} bends its attention mask with its own mask function (HF's "
+                                   f"or_mask_function / and_mask_function). {_WHAT_TO_DO}")
+    return attention_mask
 
 
 def check_supported_attention(model: nn.Module) -> None:
@@ -100,7 +123,7 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION, make(True))
     AttentionInterface.register(ATTENTION_NO_DOCUMENTS, make(False))
     for name in (ATTENTION, ATTENTION_NO_DOCUMENTS):
-        AttentionMaskInterface.register(name, lambda *args, attention_mask=None, **kwargs: attention_mask)
+        AttentionMaskInterface.register(name, _mask_arguments)
 
 
 class CausalLM(nn.Module):

@@ -69,7 +69,7 @@ def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window
     from gradsched.ring_masked import MaskedRing
     if comm == "auto" or (comm == "hybrid" and a2a_degree is None):
         choice = resolve_comm(comm, a2a_degree, call="report", q_heads=q_heads, kv_heads=kv_heads, cp=cp,
-                              masked=window is not None)
+                              masked=window is not None and window < local_len * cp, causal=causal)
         comm, a2a_degree = choice.comm, choice.a2a
     if comm == "a2a":
         return []

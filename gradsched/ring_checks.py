@@ -53,7 +53,7 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                           "a2a_degree unset.")
     from gradsched.cp_comm import resolve_comm
     choice = resolve_comm(comm, a2a_degree, call=call, q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked,
-                          needs_lse=needs_lse)
+                          needs_lse=needs_lse, causal=causal)
     if choice.comm == "hybrid" and load_balance and local_len % 2:
         raise unsupported(call, f"comm='hybrid' with the load-balanced layout needs an even local length, and "
                           f"it is {local_len}", f"Pad the sequence to a multiple of {2 * cp}, or use "

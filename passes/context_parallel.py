@@ -184,7 +184,10 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
             "CausalLM does, given seq_idx), or use load_balance=True.")
     if documents:
         load_balance = True  # the reordered sequence is cut head-tail; seq_idx carries the documents
-    masked = any(args.get(m) is not None for m in form.masks)
+    window = args.get("window")
+    if window is not None and local_len is not None and window >= local_len * cp:
+        window = None  # over the whole sequence it hides nothing: plain causal attention (ring_attention agrees)
+    masked = window is not None or any(args.get(m) is not None for m in form.masks if m != "window")
     choice = spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
                         local_len=local_len if local_len is not None else 0, cp=cp,
                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
@@ -216,7 +219,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
-                            getattr(choice, "a2a", 1), getattr(choice, "why", ""), args.get("window"), local_len,
+                            getattr(choice, "a2a", 1), getattr(choice, "why", ""), window, local_len,
                             "documents" if documents else load_balance)
 
 

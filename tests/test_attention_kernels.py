@@ -68,3 +68,21 @@ def test_without_triton_cuda_fp32_blocks_upcasts_for_the_aten_kernel(monkeypatch
     assert upcast_operands("cuda", torch.bfloat16, "fp32_blocks")
     assert upcast_operands("cpu", torch.bfloat16, "fp32_blocks")
     assert not upcast_operands("cpu", torch.bfloat16, "fp32")
+
+
+def test_masked_cuda_blocks_in_fp32_modes_get_fp32_operands_even_where_triton_runs(monkeypatch):
+    # the Triton kernel takes no mask: a masked block runs the efficient kernel, which returns its operands' dtype
+    monkeypatch.setattr(attention_kernels.triton_attention, "available", lambda device: True)
+    assert upcast_operands("cuda", torch.bfloat16, "fp32_blocks", has_mask=True)
+    assert not upcast_operands("cuda", torch.bfloat16, "fp32_blocks", has_mask=False)
+
+
+@pytest.mark.parametrize("shape", [(8, 20), (2, 1, 8, 20)], ids=["2-D", "per batch row"])
+def test_a_mask_reaches_the_efficient_kernel_as_one_bias_per_head_with_aligned_rows(shape):
+    # the masked ring hands a mask per batch row ([B, 1, rows, keys]); a 2-D one is shared by the batch
+    mask = torch.randn(shape)
+    q = torch.empty(2, 3, 8, 4)
+    bias = attention_kernels._bias(mask, q)
+    assert bias.shape == (2, 3, 8, 20)
+    assert torch.equal(bias, mask.expand(2, 3, 8, 20))
+    assert bias.stride(-2) % 16 == 0 and bias.stride(-1) == 1

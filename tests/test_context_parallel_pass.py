@@ -257,6 +257,16 @@ def test_auto_is_resolved_per_call_at_compile_time_and_the_report_says_why():
     assert "one unchanged kernel call" in report.lowered[0].why
 
 
+def test_a_window_over_the_whole_sequence_is_no_mask_to_auto():
+    from gradsched.masks import attention
+
+    def layers(q, k, v):  # L tokens per rank at cp=2: a window of 2L hides nothing, one of L - 1 does
+        return attention(q, k, v, causal=True, window=2 * L) + attention(q, k, v, causal=True, window=L - 1)
+
+    gm, report = lower_with_report(dynamo_graph(layers, *qkv()), comm="auto")
+    assert [(c.comm, c.window) for c in report.lowered] == [("a2a", None), ("ring", L - 1)]
+
+
 def test_hybrid_is_lowered_with_its_degree():
     gm, report = lower_with_report(dynamo_graph(two_layers, *qkv()), cp=4, comm="hybrid")
     assert [(n.kwargs["comm"], n.kwargs["a2a_degree"]) for n in calls(gm, ring_attention)] == [("hybrid", 2)] * 2

@@ -7,8 +7,8 @@ from gradsched.options import SyncOptions
 from gradsched.ring_attention import RingAttentionError, check_attention_call
 
 
-def auto(q, kv, cp, masked=False):
-    return choose_comm(q_heads=q, kv_heads=kv, cp=cp, masked=masked)
+def auto(q, kv, cp, masked=False, causal=True):
+    return choose_comm(q_heads=q, kv_heads=kv, cp=cp, masked=masked, causal=causal)
 
 
 @pytest.mark.parametrize("kv", (4, 12))
@@ -21,6 +21,12 @@ def test_auto_runs_heads_that_split_over_cp_as_a2a(kv):
 def test_auto_keeps_masked_calls_on_the_ring_which_skips_what_nobody_sees():
     choice = auto(12, 12, 4, masked=True)
     assert choice.comm == "ring" and "skips" in choice.why
+
+
+def test_auto_runs_a_masked_call_without_causality_by_its_heads():
+    # padding or documents on bidirectional attention: the ring has no causal blocks to skip either
+    assert (auto(12, 12, 4, masked=True, causal=False).comm, auto(12, 12, 4, masked=True, causal=False).a2a) == \
+        ("a2a", 4)
 
 
 def test_auto_prefers_a_hybrid_that_splits_gqa_groups_to_an_a2a_that_repeats_them():

@@ -29,7 +29,12 @@ CASES = {
     # all-to-all over CP ranks {0,1}, {2,3} x ring over {0,2}, {1,3}, with the window and documents
     "qwen2_window16_packed_documents_cp4_hybrid": job("hf_qwen2", 1, 1, 4, inputs="documents", comm="hybrid",
                                                       a2a_degree=2),
+    "qwen2_window16_right_padding_dp2_cp2": job("hf_qwen2", 1, 2, 2, inputs="padding"),
+    "gemma3_local_and_global_cp4_hybrid": job("hf_gemma3", 1, 1, 4, comm="hybrid", a2a_degree=2),
     # pipeline stages: positions reach the second stage's attention as a computed value
+    "qwen2_window16_pp2_cp2_m2": job("hf_qwen2", 2, 1, 2, microbatches=2),
+    "llama_packed_documents_pp2_cp2_m2_a2a": job("hf_llama_documents", 2, 1, 2, inputs="documents", microbatches=2,
+                                                 comm="a2a"),
     "mistral_window16_pp2_cp2_m2": job("hf_mistral", 2, 1, 2, microbatches=2),
     # local and global layers in different stages, the padding mask handed to an unchanged call per stage
     "gemma3_right_padding_pp2_cp2_m2_a2a": job("hf_gemma3", 2, 1, 2, inputs="padding", microbatches=2, comm="a2a"),
@@ -100,7 +105,7 @@ def test_the_schedule_report_names_each_attention_calls_scheme_and_ring_steps(ea
     # has a window shorter than a chunk, and the steps it skips.)
     auto = eager_runs["mistral_window16_cp4_auto"][0]["report"]
     assert "context parallel (cp=4): 2 attention call(s) lowered" in auto
-    assert "ring, window 16, ring steps [0, 1, 2, 3] of 4 -- a mask: the ring skips" in auto
+    assert "ring, window 16, ring steps [0, 1, 2, 3] of 4 -- a causal mask: the ring skips" in auto
     hybrid = eager_runs["qwen2_window16_packed_documents_cp4_hybrid"][0]["report"]
     assert "hybrid (a2a over 2 x ring over 2), window 16, ring steps [0, 1] of 2" in hybrid
     balanced = eager_runs["llama_packed_documents_balanced_dp2_cp2"][0]["report"]

@@ -110,3 +110,29 @@ def test_the_attention_function_itself_refuses_soft_capping_and_dropout():
         fn(torch.nn.Module(), q, q, q, None, softcap=30.0)
     with pytest.raises(UnsupportedAttention, match="dropout=0.1"):
         fn(torch.nn.Module(), q, q, q, None, dropout=0.1)
+
+
+def test_bidirectional_attention_is_refused_naming_model_and_layer():
+    config = transformers.Gemma3TextConfig(**SMALL, head_dim=8, use_bidirectional_attention=True)
+    with pytest.raises(UnsupportedAttention) as err:
+        CausalLM(transformers.Gemma3ForCausalLM(config))
+    assert "Gemma3ForCausalLM" in str(err.value) and "bidirectional attention" in str(err.value)
+
+
+def test_chunked_attention_layers_are_refused_naming_the_layer_type():
+    config = transformers.Llama4TextConfig(**SMALL, head_dim=8, intermediate_size_mlp=16, num_local_experts=2,
+                                           attention_chunk_size=4)
+    with pytest.raises(UnsupportedAttention, match="'chunked_attention' attention"):
+        CausalLM(transformers.Llama4ForCausalLM(config))
+
+
+def test_the_mask_hook_refuses_masks_it_would_otherwise_drop():
+    # a model that builds a mask past causal/window/documents/padding must not get the plain causal one
+    CausalLM(tiny_llama()[0].model)  # registers the mask hook
+    hook = transformers.masking_utils.ALL_MASK_ATTENTION_FUNCTIONS[ATTENTION]
+    with pytest.raises(UnsupportedAttention, match="bidirectional attention mask"):
+        hook(attention_mask=None, allow_is_bidirectional_skip=True)
+    with pytest.raises(UnsupportedAttention, match="or_mask_function"):
+        hook(attention_mask=None, use_vmap=True)
+    pad = torch.ones(2, 8, dtype=torch.long)
+    assert hook(attention_mask=pad, allow_is_causal_skip=True, use_vmap=False) is pad

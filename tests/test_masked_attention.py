@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.cp_layout import document_order, shard, unshard
-from gradsched.masks import document_ids
+from gradsched.masks import document_ids, positions_from_cu_seqlens
 from gradsched.launch import run_ranks
 from gradsched.ring_attention import RingAttentionError, ring_attention
 from gradsched.ring_checks import check_masked_call
@@ -134,18 +134,28 @@ def reordered(name, world, tensors, args):
     return tuple(t.index_select(2, order) for t in tensors), args, order
 
 
+# compiled by Inductor (fullgraph) as well: the masked all-to-all alone, and inside a hybrid with the masked ring
+COMPILED = {2: ["documents+window-bfloat16-a2a"], 4: ["balanced documents+padding-bfloat16-hybrid"]}
+
+
 def _worker(rank, world, names):
     torch.set_num_threads(1)
     group = dist.group.WORLD.group_name
     results = {}
-    for name in names:
-        c, (q, k, v, dout), args = given(name)
-        (q, k, v, dout), args, _ = reordered(name, world, (q, k, v, dout), args)
+    for name in names + [f"{n} inductor" for n in COMPILED[world]]:
+        base, compiled = name.removesuffix(" inductor"), name.endswith(" inductor")
+        c, (q, k, v, dout), args = given(base)
+        (q, k, v, dout), args, _ = reordered(base, world, (q, k, v, dout), args)
         ql, kl, vl = (shard(x, world, rank, dim=2).requires_grad_() for x in (q, k, v))
         local = {key: (shard(t, world, rank, dim=1) if isinstance(t, torch.Tensor) else t)
                  for key, t in args.items()}
+
+        def attend(ql, kl, vl, local):
+            return ring_attention(ql, kl, vl, group, comm=c["comm"], return_lse=c["comm"] == "ring", **local)
+        if compiled:
+            attend = torch.compile(attend, fullgraph=True, backend="inductor")
         with torch.profiler.profile(record_shapes=True) as prof:
-            got = ring_attention(ql, kl, vl, group, comm=c["comm"], return_lse=c["comm"] == "ring", **local)
+            got = attend(ql, kl, vl, local)
             out, lse = got if c["comm"] == "ring" else (got, None)
             out.backward(shard(dout, world, rank, dim=2))
         sent = [e for e in prof.events() if "all_to_all_single" in e.name and e.input_shapes]
@@ -164,9 +174,9 @@ def run(world):
     return _RUNS[world]
 
 
-def gathered(world, name):
-    """out, dq, dk, dv over the whole sequence, in natural order."""
-    per_rank = [r[name]["local"] for r in run(world)]
+def gathered(world, name, how=""):
+    """out, dq, dk, dv over the whole sequence, in natural order (how=" inductor": compiled)."""
+    per_rank = [r[name + how]["local"] for r in run(world)]
     got = [unshard([p[i] for p in per_rank], world, dim=2) for i in range(4)]
     _, _, order = reordered(name, world, (), given(name)[2])
     return got if order is None else [t.index_select(2, torch.argsort(order)) for t in got]
@@ -180,6 +190,17 @@ def test_masked_attention_matches_fp64_within_the_single_device_bound(world, nam
     got = gathered(world, name)
     assert not any(torch.isnan(t).any() for t in got), "NaN in out or gradients"
     failures = check_accuracy(got, single_device(q, k, v, dout, mask), ref, c["dtype"], world)
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("world, name", [(w, n) for w in COMPILED for n in COMPILED[w]])
+def test_masked_attention_compiled_by_inductor_matches_fp64_within_the_single_device_bound(world, name):
+    c, (q, k, v, dout), args = given(name)
+    mask = reference_mask(args["causal"], args["window"], args["position_ids"], args["key_padding"])
+    got = gathered(world, name, " inductor")
+    assert not any(torch.isnan(t).any() for t in got), "NaN in out or gradients"
+    failures = check_accuracy(got, single_device(q, k, v, dout, mask), fp64_reference(q, k, v, dout, mask),
+                              c["dtype"], world)
     assert not failures, "\n".join(failures)
 
 
@@ -263,3 +284,12 @@ def test_bf16_results_are_no_less_accurate_than_the_single_device(world, name):
     for label, got, s, r in zip(("out", "dq", "dk", "dv"), gathered(world, name), single, ref):
         ring_err, single_err = ((t.double() - r).abs().mean().item() for t in (got, s))
         assert ring_err <= single_err, f"{label}: mean error {ring_err:.3g} > the single device's {single_err:.3g}"
+
+
+def test_document_boundaries_become_positions_that_restart_in_every_document():
+    # flash-attn's cu_seqlens [0, 3, 7, 10], an empty document at 7, and a tail past the last boundary
+    cu = torch.tensor([0, 3, 7, 7, 10])
+    assert positions_from_cu_seqlens(cu).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2]]
+    assert positions_from_cu_seqlens(cu, total=12).tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 0, 1]]
+    assert document_ids(positions_from_cu_seqlens(cu)).tolist() == [[0, 0, 0, 1, 1, 1, 1, 2, 2, 2]]
+
