@@ -101,28 +101,22 @@ def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
     cyclically from the previous document, so that every chunk ends with exactly S / 2cp tokens."""
     from gradsched.masks import document_ids
 
-    seq = position_ids.shape[-1]
-    n = 2 * cp
-    _check(seq, cp, True)
-    rows = []  # host-side bookkeeping over document lengths, per row
-    for doc in document_ids(position_ids).tolist():
-        lengths = [0] * (doc[-1] + 1)
-        for d in doc:
-            lengths[d] += 1
-        pieces = [[] for _ in range(n)]  # chunk k: (start, size) of each document's piece
-        start, carry = 0, 0
-        for length in lengths:
-            base, extra = divmod(length, n)
-            gets = {(carry + i) % n for i in range(extra)}
-            carry = (carry + extra) % n
-            offset = start
-            for k in range(n):
-                size = base + (k in gets)
-                pieces[k].append((offset, size))
-                offset += size
-            start += length
-        rows.append([i for chunk in pieces for a, m in chunk for i in range(a, a + m)])
-    return torch.tensor(rows, dtype=torch.long, device=position_ids.device)
+    _check(position_ids.shape[-1], cp, True)
+    return torch.stack([_row_order(doc, 2 * cp) for doc in document_ids(position_ids)])
+
+
+def _row_order(doc: torch.Tensor, n: int) -> torch.Tensor:
+    """document_order of one row, doc [S] its document ids (0, 1, ..., non-decreasing), as tensor
+    arithmetic over the [documents, n] pieces (no per-token host loop)."""
+    lengths = torch.bincount(doc)
+    base, extra = lengths // n, lengths % n
+    carry = (torch.cumsum(extra, 0) - extra) % n  # the chunk that takes a document's first extra token
+    k = torch.arange(n, device=doc.device)
+    sizes = base[:, None] + (((k[None, :] - carry[:, None]) % n) < extra[:, None]).long()  # [docs, n]
+    natural = (torch.cumsum(lengths, 0) - lengths)[:, None] + torch.cumsum(sizes, 1) - sizes
+    sizes, natural = sizes.t().reshape(-1), natural.t().reshape(-1)  # chunk-major: the balanced order
+    placed = torch.cumsum(sizes, 0) - sizes
+    return torch.repeat_interleave(natural - placed, sizes) + torch.arange(doc.shape[0], device=doc.device)
 
 
 def balance_documents(position_ids: torch.Tensor, cp: int, *tensors: torch.Tensor) -> tuple:

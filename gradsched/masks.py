@@ -150,26 +150,27 @@ def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                            scale: Optional[float], window: Optional[int], position_ids: Optional[torch.Tensor],
                            key_padding: Optional[torch.Tensor], seq_idx: Optional[torch.Tensor] = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # The math of softmax attention's backward, in fp32: a custom op's body runs below autograd, so
-    # it cannot differentiate its forward again.
-    groups = q.shape[1] // k.shape[1]
-    qf, kf, vf, g = (x.float() for x in (q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), grad))
+    # The block kernels' own backward (gradsched.attention_kernels), after recomputing out and LSE with
+    # their forward: a custom op's body runs below autograd, so it cannot differentiate its forward again.
+    # Memory: the [B, 1, S, S] mask, not the [B, H, S, S] fp32 scores written-out math would take.
+    from gradsched.attention_kernels import attend, attend_backward
+    from gradsched.ring_blocks import expand_heads, reduce_heads
+
+    heads = q.shape[1]
     s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    scores = (qf @ kf.transpose(-1, -2)) * s
+    kh, vh = expand_heads(k, heads), expand_heads(v, heads)
     mask = dense_mask(q.shape[2], q.device, causal=causal, window=window, position_ids=position_ids,
                       key_padding=key_padding, seq_idx=seq_idx)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    p = torch.softmax(scores, -1).nan_to_num(0.0)  # a query that sees nothing: no weights
-    dv = p.transpose(-1, -2) @ g
-    dp = g @ vf.transpose(-1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-    dq = (ds @ kf) * s
-    dk = (ds.transpose(-1, -2) @ qf) * s
-    if groups > 1:
-        dk = dk.unflatten(1, (k.shape[1], groups)).sum(2)
-        dv = dv.unflatten(1, (k.shape[1], groups)).sum(2)
-    return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    add = None if mask is None else \
+        torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    is_causal = causal and mask is None
+    out, lse = attend(q, kh, vh, is_causal, s, add)
+    if mask is not None:  # a query that sees nothing: zero out, and an LSE that gives its keys no weight
+        blind = ~mask.any(-1)
+        out, lse = out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, 0.0)
+    dq, dk, dv = attend_backward(grad.contiguous(), q, kh, vh, out, lse, is_causal, s, add)
+    dk, dv = (reduce_heads(g, k.shape[1], torch.float32).to(k.dtype) for g in (dk, dv))  # GQA sums in fp32
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 
 @_attention_backward_op.register_fake

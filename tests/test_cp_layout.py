@@ -101,6 +101,12 @@ def test_document_order_cuts_each_document_into_2cp_near_equal_pieces_in_order(l
         start += n
 
 
+def test_document_order_orders_each_batch_row_by_its_own_documents():
+    rows = torch.cat([_packed(6, 2, 13, 3), _packed(5, 1, 18)])
+    want = [document_order(r[None], 2)[0] for r in rows]
+    assert torch.equal(document_order(rows, 2), torch.stack(want))
+
+
 def test_document_order_of_one_document_is_the_natural_order():
     assert document_order(torch.arange(16)[None], 4)[0].tolist() == list(range(16))
 
