@@ -245,7 +245,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     choice = check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
                                   cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                                   comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
-                                  a2a_degree=a2a_degree, masked=masked, needs_lse=return_lse)
+                                  a2a_degree=a2a_degree, masked=masked, needs_lse=return_lse,
+                                  compiled=torch.compiler.is_compiling())
     comm = choice.comm
     if masked:
         check_masked_call(call, comm=comm, cp=cp, local_len=q.shape[2], load_balance=load_balance)

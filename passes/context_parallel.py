@@ -193,7 +193,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
                         has_attn_mask=args.get("attn_mask") is not None,
                         accumulate=accumulate, comm=comm, a2a_degree=spec.a2a_degree, masked=masked,
-                        needs_lse=form.returns_lse)
+                        needs_lse=form.returns_lse, compiled=True)
     a2a_degree = spec.a2a_degree
     if choice is not None and q_heads is not None and kv_heads is not None:  # lower with what was chosen
         comm = choice.comm

@@ -172,7 +172,20 @@ def test_odd_local_sequence_under_the_balanced_causal_layout_is_refused():
     gm = dynamo_graph(two_layers, *qkv(length=7))
     with pytest.raises(RingAttentionError, match=r"sequence length 14 is not divisible by 2\*cp=4"):
         lower(gm)
-    assert len(calls(lower(dynamo_graph(two_layers, *qkv(length=7)), load_balance=False), ring_attention)) == 2
+    plain = lower(dynamo_graph(two_layers, *qkv(length=7)), load_balance=False, comm="allgather")
+    assert len(calls(plain, ring_attention)) == 2
+
+
+def test_the_plain_layouts_causal_ring_is_refused_when_compiled_naming_what_runs():
+    # the rank holding the first chunk uses no other rank's K/V: AOTAutograd drops that rank's collectives
+    # and its peers hang (seen at dp2 x cp2); every rank uses an all-gather's or an all-to-all's result whole
+    with pytest.raises(RingAttentionError, match=r"load_balance=False.*a hang.*comm='allgather' or comm='a2a'"):
+        lower(dynamo_graph(two_layers, *qkv()), load_balance=False)
+    for comm in ("allgather", "a2a"):
+        assert len(calls(lower(dynamo_graph(two_layers, *qkv()), load_balance=False, comm=comm), ring_attention)) == 2
+    full = lower(dynamo_graph(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), *qkv()),
+                 load_balance=False)  # not causal: every rank uses every step
+    assert len(calls(full, ring_attention)) == 1
 
 
 def test_causality_computed_at_run_time_is_refused():
