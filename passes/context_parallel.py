@@ -28,6 +28,7 @@ in through position_ids, and the loss is a sum over local tokens (see cp_layout)
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -296,10 +297,21 @@ def _transpose(graph: fx.Graph, x: fx.Node) -> fx.Node:
     return t
 
 
+# gradsched's own source directory, found without importing the runtime (passes/ is gradsched/passes/ when
+# installed, a sibling of gradsched/ in a checkout)
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if os.path.basename(_PACKAGE_DIR) != "gradsched":
+    _PACKAGE_DIR = os.path.join(_PACKAGE_DIR, "gradsched")
+
+
 def _where(node: fx.Node) -> str:
+    """The innermost frame of the call's stack outside gradsched (whose masks.attention and HF adapter
+    wrap the user's or the model's attention layer), else the innermost."""
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    return lines[-1] if lines else "<unknown source>"
+    ours = f'"{_PACKAGE_DIR}{os.sep}'
+    theirs = [ln for ln in lines if ours not in ln]
+    return (theirs or lines or ["<unknown source>"])[-1]
 
 
 def _target_name(node: fx.Node) -> str:

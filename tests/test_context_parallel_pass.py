@@ -176,6 +176,16 @@ def test_odd_local_sequence_under_the_balanced_causal_layout_is_refused():
     assert len(calls(plain, ring_attention)) == 2
 
 
+def test_a_call_through_gradsched_masks_is_named_by_the_users_line_not_gradscheds():
+    from gradsched.masks import attention
+
+    def users_layer(q, k, v):
+        return attention(q, k, v, window=4)
+
+    _, report = lower_with_report(dynamo_graph(users_layer, *qkv()))
+    assert "users_layer" in report.lowered[0].where and "masks.py" not in report.lowered[0].where
+
+
 def test_the_plain_layouts_causal_ring_is_refused_when_compiled_naming_what_runs():
     # the rank holding the first chunk uses no other rank's K/V: AOTAutograd drops that rank's collectives
     # and its peers hang (seen at dp2 x cp2); every rank uses an all-gather's or an all-to-all's result whole
