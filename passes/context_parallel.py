@@ -10,8 +10,11 @@ the CP group `spec.cp_group_name`: the same inputs, an output of the same shape 
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
 cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
-sequence under the load-balanced causal layout) raises RingAttentionError here, at
-compile time (`spec.check` says which). `spec.check` also returns the scheme each call runs
+sequence under the load-balanced causal layout, causal attention over a ring in the plain
+layout, whose ranks would not issue the same collectives once compiled) raises
+RingAttentionError here, at compile time (`spec.check` says which). A window no shorter than
+the whole sequence hides nothing and counts as no mask when the scheme is chosen (the runtime
+drops it too). `spec.check` also returns the scheme each call runs
 with: a lowered call carries a concrete comm ("ring", "allgather", "a2a", or "hybrid" with its
 a2a_degree), never "auto", when the call's head counts are static. Under
 load_balance="documents" every lowered call carries seq_idx and the head-tail layout
