@@ -19,9 +19,11 @@ sequence the same way). Three implementations of forward + backward over those s
                         as torch's tests do: the public context_parallel() has no sharding
                         strategy for the CPU flash op
     gradsched_eager     the same ring_attention call without torch.compile
-    gradsched_fast_schedule   (reduced dtypes only) gradsched_inductor with
-                        fewest_roundings=False: no masked calls, more roundings (on the CPU
-                        kernel the default is fewest_roundings, to meet cp_numerics' targets)
+    gradsched_fast_schedule / gradsched_fewest_roundings   (reduced dtypes only) gradsched_inductor
+                        with the schedule the default did not pick (`"schedule"` names each row's):
+                        fewest_roundings joins a row's calls with a causal mask (fewer roundings,
+                        slower); the default on the CPU kernel only where the fast schedule would
+                        round a row's output more than twice (cp > 4) or the call is masked
 
 The limit, measured side by side in the same run: every rank runs the single-device
 kernel (forward + backward, same dtype) over the whole sequence for heads/cp of the heads,
@@ -79,12 +81,14 @@ import torch.distributed as dist
 from gradsched.cp_layout import shard
 from gradsched.launch import run_ranks
 from gradsched.ring_attention import ring_attention
+from gradsched.ring_schedule import fewest_roundings_default
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
 from cp_numerics import single_process as single_kernel  # noqa: E402
 from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
+OTHER_SCHEDULE = {False: "gradsched_fast_schedule", True: "gradsched_fewest_roundings"}  # by fewest_roundings
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_speed.jsonl")
 
 
@@ -183,8 +187,9 @@ def _rank(rank: int, world: int, cfg: dict):
     if len(comms) == 1:
         impls["gradsched_inductor"] = gradsched(compile(attend))
         impls["gradsched_eager"] = gradsched(attend)
-        if dtype != torch.float32:  # the option changes nothing in fp32
-            impls["gradsched_fast_schedule"] = gradsched(compile(attend_with(comms[0], fewest_roundings=False)))
+        if dtype != torch.float32:  # the option changes nothing in fp32; the row runs the schedule not chosen
+            other = not fewest_roundings_default(q.device.type, world, window is not None)
+            impls[OTHER_SCHEDULE[other]] = gradsched(compile(attend_with(comms[0], fewest_roundings=other)))
     else:
         impls.update({f"gradsched_inductor:{c}": gradsched(compile(attend_with(c))) for c in comms})
     if window is not None:
@@ -328,6 +333,10 @@ def main(argv=None) -> list[dict]:
             row["auto_picked"] = picked.describe()
             if fixed:
                 row["auto_vs_best_fixed"] = round(medians[name] / min(fixed), 3)
+        if scheme == "ring" and name not in ("limit", "torch_ring") and a.dtype != "fp32":
+            default = fewest_roundings_default("cpu", a.cp, window is not None)
+            fewest = not default if name in OTHER_SCHEDULE.values() else default
+            row["schedule"] = "fewest_roundings" if fewest else "fast"
         if scheme in ("ring", "hybrid") and name != "limit":
             row["ring_steps"] = ring_steps(a.cp, a.seq // a.cp, a.causal, True, window, scheme,
                                            picked.a2a if comm == "auto" else None,

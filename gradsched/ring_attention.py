@@ -59,8 +59,8 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradsched.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, row_chunks,
-                                   rows_for_backward, unflat_kv)
+from gradsched.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
+                                   row_chunks, rows_for_backward, unflat_kv)
 from gradsched.masks import check_mask_args
 from gradsched.ring_checks import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
                                    check_masked_call)
@@ -148,7 +148,8 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
                 window = []
         if step == 0 or ring.cp == 1:
             continue
-        done, mine = step - 1, grads.pop(step - 1, None)  # the K/V held at step - 1
+        done = step - 1  # the K/V held at step - 1
+        mine = pop_kv_grads(grads, done, ring.parts, k.shape, v.shape, dtype, q.device)
         if allgather:
             if mine is not None:
                 dkv_all[(ring.rank - done) % ring.cp] += mine
@@ -166,7 +167,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
     elif ring.cp > 1:
         dkv = _wait(pending_dkv)  # our own K/V's gradient, back from the last rank
     else:
-        dkv = grads.pop(0, None)
+        dkv = pop_kv_grads(grads, 0, ring.parts, k.shape, v.shape, dtype, q.device)
         if dkv is None:
             dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
     dk, dv = unflat_kv(dkv, k.shape, v.shape)
@@ -219,7 +220,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     names the caller's attention call in errors. fewest_roundings: in a reduced dtype, join a
     row chunk's calls of a window, diagonal included (a bottom-right causal mask tensor), so
     each row's output is rounded fewer times; the kernels compute masked blocks densely, so it
-    is slower (benchmarks/cp_speed.py shows both). None: on for the CPU kernel only
+    is slower (benchmarks/cp_speed.py shows both). None: on for the CPU kernel where the fast
+    schedule would round a row's output more than twice (cp > 4) or the call is masked
     (`fewest_roundings_default`).
 
     Masks (gradsched.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
@@ -232,8 +234,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     comm='hybrid': all-to-all over groups of `a2a_degree` consecutive CP ranks (None: the largest the
     heads allow), ring over the rest (gradsched.hybrid). comm='auto': gradsched.cp_comm picks.
     """
-    if fewest_roundings is None:
-        fewest_roundings = fewest_roundings_default(q.device.type)
+    requested = fewest_roundings  # None: decided by the ring that runs (a hybrid's is smaller than cp)
     rank, cp = group_rank_and_size(group_name)
     check_mask_args(call, causal=causal, window=window, position_ids=position_ids, key_padding=key_padding,
                     seq_len=q.shape[2], batch=q.shape[0], seq_idx=seq_idx)
@@ -242,6 +243,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     if seq_idx is not None and window is None:
         position_ids = None  # explicit documents: positions would only measure the window
     masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
+    if fewest_roundings is None:
+        fewest_roundings = fewest_roundings_default(q.device.type, cp, masked)
     choice = check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
                                   cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                                   comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
@@ -258,7 +261,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                                 scale=float(scale), load_balance=load_balance, return_lse=return_lse,
                                 position_ids=position_ids, key_padding=key_padding, seq_idx=seq_idx,
                                 accumulate=accumulate,
-                                fewest_roundings=fewest_roundings, window=window, call=call)
+                                fewest_roundings=requested, window=window, call=call)
     if comm == "hybrid":  # a degree of cp is Ulysses, of 1 the ring
         comm = "a2a" if choice.a2a == cp else "ring"
     if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.ulysses)

@@ -40,7 +40,7 @@ import torch
 from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.cp_layout import layout_order, rank_chunks
 from gradsched.masks import token_masks, visible
-from gradsched.ring_blocks import expand_heads, flat_kv, reduce_heads, unflat_kv
+from gradsched.ring_blocks import add_kv_grads, expand_heads, flat_kv, pop_kv_grads, reduce_heads, unflat_kv
 from gradsched.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
@@ -255,7 +255,7 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
     limit = dq_tile(q.device.type, q.dtype)
     for group in ring.groups(rounds_results(q.dtype)):
         kvs = {s: ring.cast(*kv_at(s)) for s in group}
-        grads = {s: torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device) for s in group}
+        grads = {}
         for p, pieces in _calls(ring, ring.rank, group, limit):
             qid = ring.chunks(ring.rank)[p]
             k, v = _keys(pieces, kvs, parts)
@@ -268,11 +268,11 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
             gk = reduce_heads(gk, kshape[1], dtype).split(ring.chunk, dim=2)
             gv = reduce_heads(gv, vshape[1], dtype).split(ring.chunk, dim=2)
             for (step, j, _, _), dk, dv in zip(pieces, gk, gv):
-                gk_all, gv_all = unflat_kv(grads[step], kshape, vshape)
-                gk_all.chunk(parts, dim=2)[j].add_(dk)
-                gv_all.chunk(parts, dim=2)[j].add_(dv)
+                add_kv_grads(grads, step, j, dk, dv)
         for s in group:
-            give_back(s, grads[s])
+            dkv = pop_kv_grads(grads, s, parts, kshape, vshape, dtype, q.device)
+            give_back(s, dkv if dkv is not None else
+                      torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device))
     return torch.cat(dq, dim=2) if parts > 1 else dq[0]
 
 

@@ -26,12 +26,28 @@ BACKWARD_WINDOW = 2
 """Ring steps a backward call may cover: at most 2, as dK/dV travel one step behind K/V."""
 
 
-def fewest_roundings_default(device_type: str) -> bool:
-    """fewest_roundings=None: on for the CPU kernel, whose bf16/fp16 results need it to meet
-    benchmarks/cp_numerics.py's targets (the fast schedule gives out 1.17x, dq 0.955x a single
-    device's error at TransformerEngine #821's config, against 1.15x / 0.95x); off elsewhere (the
-    CUDA kernels' masked path is refused, see ring_checks)."""
-    return device_type == "cpu"
+def fast_roundings(cp: int) -> int:
+    """Most kernel calls one row's forward output spans in the fast schedule (`forward_ends`):
+    step 0 (the local square), then one per window of FORWARD_WINDOW steps. In a reduced dtype
+    each is one more rounding of the row's output."""
+    return 1 + -(-(cp - 1) // FORWARD_WINDOW)
+
+
+def fewest_roundings_default(device_type: str, cp: int, masked: bool = False) -> bool:
+    """fewest_roundings=None: on for the CPU kernel where the fast schedule would round a row's
+    bf16/fp16 output more than twice (cp > FORWARD_WINDOW + 1), and for every masked call there;
+    off elsewhere (the CUDA kernels' masked path is refused, see ring_checks).
+
+    Measured with benchmarks/cp_numerics.py at TransformerEngine #821's shapes (S 4096, 12 heads,
+    dim 128, bf16, causal), fast schedule against fewest_roundings, out / dq ratio to a single
+    device's error (targets 1.15x / 0.95x): cp 8, 1.17 / 0.955 against 1.15 / 0.95 (the fast one
+    misses); cp 4, 1.14 / 0.955 against 1.09 / 0.954; cp 2, 1.11 / 0.998 against 1.00 / 0.997 (the
+    same gradients, out within target), and there the fast one runs at 0.92 of the limit against
+    0.87 (benchmarks/cp_speed.py). The masked ring's targets (fp32: no worse than the single device)
+    were met with it on."""
+    if device_type != "cpu":
+        return False
+    return masked or fast_roundings(cp) > 2
 
 
 def acc_dtype(accumulate: str, dtype: torch.dtype) -> torch.dtype:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, row_chunks, rows_for_backward,
-                                   unflat_kv)
+from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, pop_kv_grads, row_chunks,
+                                   rows_for_backward, unflat_kv)
 from gradsched.cp_layout import shard, unshard
 from gradsched.masks import check_mask_args
 from gradsched.ring_checks import check_attention_call, check_masked_call, unsupported
@@ -43,14 +43,15 @@ def rank_backward(ring: Ring, q, ks, vs, dout, lse, saved_out):
     grads = {}
     for window in rank_windows(ring, window_ends(ring.cp, BACKWARD_WINDOW), ks, vs):
         backward_window(dq, rows, window, grads, ring, ks[0].shape, vs[0].shape)
-    return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), grads
+    flat = {s: pop_kv_grads(grads, s, ring.parts, ks[0].shape, vs[0].shape, dtype, q.device) for s in list(grads)}
+    return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), flat
 
 
-def _checked(call, q, k, cp, causal, load_balance, accumulate, fewest_roundings) -> bool:
+def _checked(call, q, k, cp, causal, load_balance, accumulate, fewest_roundings, masked: bool = False) -> bool:
     """Refuse what the ring would refuse (inputs over the whole sequence); the resolved
     fewest_roundings."""
     if fewest_roundings is None:
-        fewest_roundings = fewest_roundings_default(q.device.type)
+        fewest_roundings = fewest_roundings_default(q.device.type, cp, masked)
     check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2] // cp, cp=cp,
                          causal=causal, load_balance=load_balance, accumulate=accumulate,
                          fewest_roundings=fewest_roundings, device_type=q.device.type)
@@ -166,15 +167,16 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     gradsched.masks) over the whole sequence in sequence order run the masked ring
     (gradsched.ring_masked).
     """
-
-    fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if window is not None and window >= q.shape[2]:
         window = None
     if seq_idx is not None and window is None:
         position_ids = None  # explicit documents: positions would only measure the window
-    if window is not None or position_ids is not None or key_padding is not None or seq_idx is not None:
+    masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
+    fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings,
+                                masked)
+    if masked:
         return simulate_masked_ring(q, k, v, cp, causal, accumulate, scale=float(scale), load_balance=load_balance,
                                     grad_out=grad_out, fewest_roundings=fewest_roundings, window=window,
                                     position_ids=position_ids, key_padding=key_padding, seq_idx=seq_idx)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gradsched.ring_blocks as blocks
-from gradsched.ring_schedule import Ring, fewest_roundings_default
+from gradsched.ring_schedule import Ring, fast_roundings, fewest_roundings_default, forward_ends, plan_calls
 from gradsched.ring_simulation import rank_forward
 from gradsched.cp_layout import shard
 
@@ -80,6 +80,33 @@ def test_full_attention_ranks_compute_every_pair_once(monkeypatch, cp):
     assert sum(visible_pairs(c) for calls in per_rank for c in calls) == S * S
 
 
-def test_fewest_roundings_is_the_default_for_the_cpu_kernel_only():
-    # cp_numerics' targets on the CPU kernel need it; CUDA refuses its masked calls
-    assert fewest_roundings_default("cpu") and not fewest_roundings_default("cuda")
+def most_calls_on_a_row(cp: int) -> int:
+    """The most forward kernel calls any local row chunk of any rank takes part in (the fast
+    schedule, bf16): each rounds that row's output once more."""
+    kv = torch.zeros(1, 1, 4, 1)
+    most = 0
+    for rank in range(cp):
+        ring = Ring(rank, cp, True, True, 1.0, "fp32")
+        per_chunk = [0] * ring.parts
+        window = []
+        for step in range(cp):
+            window.append((step, (rank - step) % cp, kv, kv))
+            if step in forward_ends(ring):
+                for parts, _ in plan_calls(ring, window, rounded=True):
+                    for p in parts:
+                        per_chunk[p] += 1
+                window = []
+        most = max(most, *per_chunk)
+    return most
+
+
+def test_fewest_roundings_is_the_cpu_default_only_where_the_fast_schedule_rounds_a_row_more_than_twice():
+    # cp_numerics at TE #821's shapes: the fast schedule meets the out target at cp 2 and 4 (two
+    # roundings of a row's output), misses it at cp 8 (four); CUDA refuses the masked calls
+    assert [fast_roundings(cp) for cp in (2, 3, 4, 5, 8)] == [2, 2, 2, 3, 4]
+    for cp in (2, 3, 4, 5, 8):
+        assert most_calls_on_a_row(cp) == fast_roundings(cp)
+    assert not fewest_roundings_default("cpu", 2) and not fewest_roundings_default("cpu", 4)
+    assert fewest_roundings_default("cpu", 5) and fewest_roundings_default("cpu", 8)
+    assert fewest_roundings_default("cpu", 2, masked=True)
+    assert not fewest_roundings_default("cuda", 8) and not fewest_roundings_default("cuda", 2, masked=True)
