@@ -60,7 +60,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
-                                   row_chunks, rows_for_backward, unflat_kv)
+                                   row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
 from gradsched.masks import check_mask_args
 from gradsched.ring_checks import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
                                    check_masked_call)
@@ -149,7 +149,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
         if step == 0 or ring.cp == 1:
             continue
         done = step - 1  # the K/V held at step - 1
-        mine = pop_kv_grads(grads, done, ring.parts, k.shape, v.shape, dtype, q.device)
+        mine = pop_kv_grads(grads, done, ring.parts, k.shape, dtype, q.device)
         if allgather:
             if mine is not None:
                 dkv_all[(ring.rank - done) % ring.cp] += mine
@@ -167,10 +167,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
     elif ring.cp > 1:
         dkv = _wait(pending_dkv)  # our own K/V's gradient, back from the last rank
     else:
-        dkv = pop_kv_grads(grads, 0, ring.parts, k.shape, v.shape, dtype, q.device)
+        dkv = pop_kv_grads(grads, 0, ring.parts, k.shape, dtype, q.device)
         if dkv is None:
             dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
-    dk, dv = unflat_kv(dkv, k.shape, v.shape)
+    dk, dv = unflat_kv_grads(dkv, k.shape, ring.parts)
     dq = torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -249,7 +249,8 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                                   cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                                   comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
                                   a2a_degree=a2a_degree, masked=masked, needs_lse=return_lse,
-                                  compiled=torch.compiler.is_compiling())
+                                  compiled=torch.compiler.is_compiling(),
+                                  head_dims=(q.shape[-1], k.shape[-1], v.shape[-1]))
     comm = choice.comm
     if masked:
         check_masked_call(call, comm=comm, cp=cp, local_len=q.shape[2], load_balance=load_balance)

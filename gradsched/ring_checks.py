@@ -17,11 +17,12 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                          has_attn_mask: bool = False, accumulate: str = "fp32",
                          comm: str = "ring", fewest_roundings: bool = False,
                          device_type: str = "cpu", a2a_degree: int | None = None, masked: bool = False,
-                         needs_lse: bool = False, compiled: bool = False):
+                         needs_lse: bool = False, compiled: bool = False,
+                         head_dims: tuple | None = None):
     """Raise RingAttentionError if the ring cannot run this attention call.
 
     `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
-    at model.py:41"). Shared by the runtime op and the lowering pass, which calls it
+    at model.py:41"). `head_dims`: (query, key, value) head sizes, where known. Shared by the runtime op and the lowering pass, which calls it
     at compile time. Returns the scheme that runs it (gradsched.cp_comm.CommChoice: `comm` and
     `a2a_degree` resolved, 'auto' chosen from the heads, cp and whether the call is `masked`).
     """
@@ -64,6 +65,12 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                           "that step's collective from its graph while the others wait for it (a hang)",
                           "Use load_balance=True (the default, head-tail layout), or comm='allgather' or "
                           "comm='a2a', which every rank uses whole.")
+    if head_dims is not None and choice.comm != "a2a" and len(set(head_dims)) > 1:
+        d_q, d_k, d_v = head_dims
+        raise unsupported(call, f"its query, key and value heads have sizes {d_q}, {d_k} and {d_v}, and the ring's "
+                          "block kernels (the CPU flash op, flash attention) take one head size for all three",
+                          "Use comm='a2a' (the unchanged attention over the whole sequence, for cp-th of the "
+                          f"heads), or pad the value heads to {d_q}.")
     if choice.comm == "hybrid" and load_balance and local_len % 2:
         raise unsupported(call, f"comm='hybrid' with the load-balanced layout needs an even local length, and "
                           f"it is {local_len}", f"Pad the sequence to a multiple of {2 * cp}, or use "

@@ -40,7 +40,8 @@ import torch
 from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.cp_layout import layout_order, rank_chunks
 from gradsched.masks import token_masks, visible
-from gradsched.ring_blocks import add_kv_grads, expand_heads, flat_kv, pop_kv_grads, reduce_heads, unflat_kv
+from gradsched.ring_blocks import (add_kv_grads, expand_heads, flat_kv, pop_kv_grads, reduce_heads, unflat_kv,
+                                   unflat_kv_grads)
 from gradsched.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
@@ -270,7 +271,7 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
             for (step, j, _, _), dk, dv in zip(pieces, gk, gv):
                 add_kv_grads(grads, step, j, dk, dv)
         for s in group:
-            dkv = pop_kv_grads(grads, s, parts, kshape, vshape, dtype, q.device)
+            dkv = pop_kv_grads(grads, s, parts, kshape, dtype, q.device)
             give_back(s, dkv if dkv is not None else
                       torch.zeros(math.prod(kshape) + math.prod(vshape), dtype=dtype, device=q.device))
     return torch.cat(dq, dim=2) if parts > 1 else dq[0]
@@ -327,7 +328,7 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
         sources = sorted((r + s) % cp for s in grads)
         for s in sorted(grads):  # summed in step order, as the simulation does
             own.add_(got[sources.index((r + s) % cp) * n:][:n])
-    dk, dv = unflat_kv(own, k.shape, v.shape)
+    dk, dv = unflat_kv_grads(own, k.shape, len(ring.chunks(ring.rank)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 

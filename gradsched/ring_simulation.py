@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, pop_kv_grads, row_chunks,
-                                   rows_for_backward, unflat_kv)
+                                   rows_for_backward, unflat_kv_grads)
 from gradsched.cp_layout import shard, unshard
 from gradsched.masks import check_mask_args
 from gradsched.ring_checks import check_attention_call, check_masked_call, unsupported
@@ -43,18 +43,19 @@ def rank_backward(ring: Ring, q, ks, vs, dout, lse, saved_out):
     grads = {}
     for window in rank_windows(ring, window_ends(ring.cp, BACKWARD_WINDOW), ks, vs):
         backward_window(dq, rows, window, grads, ring, ks[0].shape, vs[0].shape)
-    flat = {s: pop_kv_grads(grads, s, ring.parts, ks[0].shape, vs[0].shape, dtype, q.device) for s in list(grads)}
+    flat = {s: pop_kv_grads(grads, s, ring.parts, ks[0].shape, dtype, q.device) for s in list(grads)}
     return (torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]), flat
 
 
-def _checked(call, q, k, cp, causal, load_balance, accumulate, fewest_roundings, masked: bool = False) -> bool:
+def _checked(call, q, k, v, cp, causal, load_balance, accumulate, fewest_roundings, masked: bool = False) -> bool:
     """Refuse what the ring would refuse (inputs over the whole sequence); the resolved
     fewest_roundings."""
     if fewest_roundings is None:
         fewest_roundings = fewest_roundings_default(q.device.type, cp, masked)
     check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2] // cp, cp=cp,
                          causal=causal, load_balance=load_balance, accumulate=accumulate,
-                         fewest_roundings=fewest_roundings, device_type=q.device.type)
+                         fewest_roundings=fewest_roundings, device_type=q.device.type,
+                         head_dims=(q.shape[-1], k.shape[-1], v.shape[-1]))
     return fewest_roundings
 
 
@@ -64,7 +65,7 @@ def rank_compute(q, k, v, dout, cp: int, rank: int, causal: bool = False,
     """A function running one rank's share of the ring's compute (forward and backward
     blocks, merges and sums, no communication): to time the schedule against the limit,
     one full-sequence kernel's time / cp. Inputs as simulate_ring's, on any device."""
-    fewest_roundings = _checked("rank_compute", q, k, cp, causal, load_balance, accumulate, fewest_roundings)
+    fewest_roundings = _checked("rank_compute", q, k, v, cp, causal, load_balance, accumulate, fewest_roundings)
     scale = 1.0 / math.sqrt(q.shape[-1])
     ks, vs = (_cut(x, cp, load_balance) for x in (k, v))
     ql, dl = (shard(x, cp, rank, dim=2, load_balance=load_balance).contiguous() for x in (q, dout))
@@ -144,7 +145,7 @@ def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, sca
         dkv = torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device)
         for step in sorted(got[owner]):
             dkv.add_(got[owner][step])
-        dk, dv = unflat_kv(dkv, ks[0].shape, vs[0].shape)
+        dk, dv = unflat_kv_grads(dkv, ks[0].shape, len(rings[owner].chunks(owner)))
         dks.append(dk.to(k.dtype))
         dvs.append(dv.to(v.dtype))
     result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
@@ -174,7 +175,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     if seq_idx is not None and window is None:
         position_ids = None  # explicit documents: positions would only measure the window
     masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
-    fewest_roundings = _checked("simulate_ring", q, k, cp, causal, load_balance, accumulate, fewest_roundings,
+    fewest_roundings = _checked("simulate_ring", q, k, v, cp, causal, load_balance, accumulate, fewest_roundings,
                                 masked)
     if masked:
         return simulate_masked_ring(q, k, v, cp, causal, accumulate, scale=float(scale), load_balance=load_balance,
@@ -197,7 +198,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
 
     douts = _cut(grad_out, cp, load_balance)
     dtype = rings[0].acc_dtype(q.dtype)
-    kshape, vshape = ks[0].shape, vs[0].shape
+    kshape = ks[0].shape
     # grads[r][step]: rank r's dK/dV for the K/V it holds at step
     dqs, grads = zip(*(rank_backward(ring, qs[r], ks, vs, douts[r], *finished[r][1:])
                        for r, ring in enumerate(rings)))
@@ -210,7 +211,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
                 dkv = mine if dkv is None else dkv.add_(mine)
         dkvs.append(dkv if dkv is not None else
                     torch.zeros(ks[0].numel() + vs[0].numel(), dtype=dtype, device=q.device))
-    dks, dvs = zip(*(unflat_kv(d, kshape, vshape) for d in dkvs))
+    dks, dvs = zip(*(unflat_kv_grads(d, kshape, rings[0].parts) for d in dkvs))
     result.dq = unshard([d.to(q.dtype) for d in dqs], cp, dim=2, load_balance=load_balance)
     result.dk = unshard([d.to(k.dtype) for d in dks], cp, dim=2, load_balance=load_balance)
     result.dv = unshard([d.to(v.dtype) for d in dvs], cp, dim=2, load_balance=load_balance)

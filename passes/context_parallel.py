@@ -197,7 +197,8 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
                         has_attn_mask=args.get("attn_mask") is not None,
                         accumulate=accumulate, comm=comm, a2a_degree=spec.a2a_degree, masked=masked,
-                        needs_lse=form.returns_lse, compiled=True)
+                        needs_lse=form.returns_lse, compiled=True,
+                        head_dims=_head_dims(q, k, v))
     a2a_degree = spec.a2a_degree
     if choice is not None and q_heads is not None and kv_heads is not None:  # lower with what was chosen
         comm = choice.comm
@@ -232,6 +233,12 @@ def _bind(node: fx.Node, form: AttentionForm) -> dict:
     args = dict(zip(form.params, node.args))
     args.update(node.kwargs)
     return args
+
+
+def _head_dims(q, k, v) -> tuple | None:
+    """(query, key, value) head sizes (the last dimension in every form), where the shapes are known."""
+    dims = tuple(_int(_shape(x), -1) for x in (q, k, v))
+    return None if None in dims else dims
 
 
 def _check_flash_attn_extras(call: str, args: dict) -> None:

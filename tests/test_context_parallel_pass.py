@@ -168,6 +168,16 @@ def test_query_heads_not_a_multiple_of_kv_heads_are_refused():
         lower(gm)
 
 
+def test_a_value_head_size_other_than_the_querys_is_refused_for_the_ring_and_runs_under_a2a():
+    # the block kernels take one head size; the all-to-all runs SDPA itself, which takes any
+    def attend(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    shapes = (B, H, L, D), (B, H, L, D), (B, H, L, D // 2)
+    with pytest.raises(RingAttentionError, match=rf"sizes {D}, {D} and {D // 2}.*comm='a2a'.*pad the value heads"):
+        lower(traced(attend, *shapes))
+    assert len(calls(lower(traced(attend, *shapes), comm="a2a"), ring_attention)) == 1
+
+
 def test_odd_local_sequence_under_the_balanced_causal_layout_is_refused():
     gm = dynamo_graph(two_layers, *qkv(length=7))
     with pytest.raises(RingAttentionError, match=r"sequence length 14 is not divisible by 2\*cp=4"):
