@@ -14,10 +14,11 @@ backward once per accumulation mode on the same inputs, and prints one JSON obje
 
 Targets (accumulate="fp32"): out ratio <= 1.15 and dq/dk/dv ratios <= 0.95;
 ("fp32_blocks"): out ratio <= 0.70. Every mode runs the ring's default schedule, which on the
-CPU kernel is fewest_roundings: a row chunk's calls of a window are joined, its diagonal block as
-a mask, so each row's output is rounded to the input dtype fewer times (slower: masked blocks
-are computed). The mode "fp32+fast_schedule" is accumulate="fp32" with fewest_roundings=False
-(no masks, the default on CUDA), to show what the fast schedule costs in accuracy here.
+CPU kernel at cp > 4 is fewest_roundings: a row chunk's calls of a window are joined, its diagonal
+block as a mask, so each row's output is rounded to the input dtype fewer times (slower: masked
+blocks are computed); at cp <= 4 the fast schedule rounds a row's output at most twice and is the
+default. The mode "fp32+fast_schedule" is accumulate="fp32" with fewest_roundings=False (no masks,
+the default on CUDA), to show what the fast schedule costs in accuracy here.
 The extra mode "torch_ring" runs torch's own ring
 (`_templated_ring_attention` and `_templated_ring_attention_backward`, the engine of
 torch.distributed.tensor.experimental.context_parallel) with its default options
@@ -62,7 +63,9 @@ from gradsched.ring_attention import ACCUMULATE_MODES, ring_attention
 from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
 FAST = "fp32+fast_schedule"  # accumulate="fp32", fewest_roundings=False: no masked calls, more bf16 roundings
-MODES = (*ACCUMULATE_MODES, FAST, "torch_ring")
+FEWEST = "fp32+fewest_roundings"  # accumulate="fp32", fewest_roundings=True (the CPU default at cp > 4)
+SCHEDULES = {FAST: False, FEWEST: True}  # modes that set the schedule; the others take the default
+MODES = (*ACCUMULATE_MODES, FAST, "torch_ring")  # run by default; FEWEST on request (--modes)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TENSORS = ("out", "dq", "dk", "dv")
 MASKS = ("window", "document", "padding")
@@ -220,7 +223,7 @@ def simulated_masked(q, k, v, dout, cfg: dict, cp: int, masks: dict) -> dict:
     for mode in cfg["modes"]:
         t0 = time.perf_counter()
         got = simulate_ring(q, k, v, cp, cfg["causal"], mode.split("+")[0], grad_out=dout,
-                            fewest_roundings=False if mode == FAST else None, **masks)
+                            fewest_roundings=SCHEDULES.get(mode), **masks)
         tensors = (got.out, got.dq, got.dk, got.dv)
         if back is not None:
             tensors = tuple(x.index_select(2, back) for x in tensors)
@@ -272,7 +275,7 @@ def _rank(rank: int, world: int, cfg: dict):
             got = torch_ring_attention(q, k, v, dout, cfg["causal"])
         else:
             out = ring_attention(ql, kl, vl, group, causal=cfg["causal"], accumulate=mode.split("+")[0],
-                                 comm=cfg["comm"], fewest_roundings=False if mode == FAST else None)
+                                 comm=cfg["comm"], fewest_roundings=SCHEDULES.get(mode))
             out.backward(dout)
             got = (out.detach(), ql.grad, kl.grad, vl.grad)
         seconds = time.perf_counter() - t0
@@ -326,7 +329,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--comm", choices=("ring", "allgather"), default="ring")
     p.add_argument("--modes", default=",".join(MODES),
-                   help=f"comma-separated, from {', '.join(MODES)}")
+                   help=f"comma-separated, from {', '.join((*MODES, FEWEST))}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=RESULTS, help="JSONL file for the results ('' for none)")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds allowed to the ranks")

@@ -40,10 +40,10 @@ def fewest_roundings_default(device_type: str, cp: int, masked: bool = False) ->
 
     Measured with benchmarks/cp_numerics.py at TransformerEngine #821's shapes (S 4096, 12 heads,
     dim 128, bf16, causal), fast schedule against fewest_roundings, out / dq ratio to a single
-    device's error (targets 1.15x / 0.95x): cp 8, 1.17 / 0.955 against 1.15 / 0.95 (the fast one
+    device's error (targets 1.15x / 0.95x): cp 8, 1.17 / 0.955 against 1.13 / 0.94 (the fast one
     misses); cp 4, 1.14 / 0.955 against 1.09 / 0.954; cp 2, 1.11 / 0.998 against 1.00 / 0.997 (the
-    same gradients, out within target), and there the fast one runs at 0.92 of the limit against
-    0.87 (benchmarks/cp_speed.py). The masked ring's targets (fp32: no worse than the single device)
+    same gradients, out within target), and there the fast one runs at 0.93 of the limit against
+    0.88 (benchmarks/cp_speed.py). The masked ring's targets (fp32: no worse than the single device)
     were met with it on."""
     if device_type != "cpu":
         return False
