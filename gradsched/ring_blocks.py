@@ -117,7 +117,7 @@ def rows_for_backward(ring: Ring, q, out, dout, lse) -> list[tuple]:
 def backward_window(dq: list, rows: list, window, grads: dict, ring: Ring, kshape, vshape):
     """Gradients of every call of the window (see `plan_calls`): dq added into `dq` (per row
     chunk) in place, dk/dv into `grads` (`add_kv_grads`; `pop_kv_grads` makes a step's flat
-    [dk | dv]). rows: `rows_for_backward`."""
+    dK/dV). rows: `rows_for_backward`."""
     heads = rows[0][0].shape[1]
     dtype = dq[0].dtype
     x = rows[0][0]
