@@ -47,7 +47,7 @@ included; gloo's own buffers not). Where the profiler gives no memory events, th
 of ru_maxrss is reported instead; "mem_method" says which.
 
 Schemes side by side (`--comm ring a2a hybrid auto`): one gradsched_inductor row per scheme, all in
-the same run and interleaved like the rest (the eager and fast-schedule rows are left out then).
+the same run and interleaved like the rest (the eager and other-schedule rows are left out then).
 `bytes_sent_per_rank` is what one forward+backward makes a rank send to the others, counted from
 the collectives the eager call issues (a dispatch mode sees every functional collective and its
 tensor): an all-to-all counts the parts for other ranks, an all-gather its input times (n-1), a
