@@ -22,8 +22,8 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
     """Raise RingAttentionError if the ring cannot run this attention call.
 
     `call` names the call in the message (e.g. "scaled_dot_product_attention 'sdpa_2'
-    at model.py:41"). `head_dims`: (query, key, value) head sizes, where known. Shared by the runtime op and the lowering pass, which calls it
-    at compile time. Returns the scheme that runs it (gradsched.cp_comm.CommChoice: `comm` and
+    at model.py:41"); `head_dims`: its (query, key, value) head sizes, where known. Shared by the
+    runtime op and the lowering pass, which calls it at compile time. Returns the scheme that runs it (gradsched.cp_comm.CommChoice: `comm` and
     `a2a_degree` resolved, 'auto' chosen from the heads, cp and whether the call is `masked`).
     """
     if has_attn_mask:

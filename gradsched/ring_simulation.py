@@ -184,8 +184,6 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     if q.shape[2] % cp:
         raise unsupported("simulate_ring", f"the sequence length {q.shape[2]} is not divisible "
                            f"by cp={cp}", "Pad the sequence.")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
     rings = [Ring(r, cp, causal, load_balance, float(scale), accumulate,
                    fewest_roundings=fewest_roundings) for r in range(cp)]
 

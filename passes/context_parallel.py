@@ -11,7 +11,8 @@ the same meta["val"] / meta["example_value"]. The ring runs forward and backward
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
 cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
 sequence under the load-balanced causal layout, causal attention over a ring in the plain
-layout, whose ranks would not issue the same collectives once compiled) raises
+layout, whose ranks would not issue the same collectives once compiled, value heads of another
+size than the query's over a ring, whose block kernels take one) raises
 RingAttentionError here, at compile time (`spec.check` says which). A window no shorter than
 the whole sequence hides nothing and counts as no mask when the scheme is chosen (the runtime
 drops it too). `spec.check` also returns the scheme each call runs
