@@ -7,11 +7,11 @@ process, on the whole global batch, with the same optimizer.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
-from tiny_gpt import GPTConfig, TinyGPT, lm_loss, lm_loss_sum, make_batch
+from tiny_gpt import GPTConfig, TinyGPT, checkpoint_kwargs, lm_loss, lm_loss_sum, make_batch
 
 
 @dataclass
@@ -44,6 +44,9 @@ class Job:
     clip: float = 0.0  # > 0: clip gradients to this global norm before each step
     param_groups: str = ""  # "decay_matrices": weight decay on >= 2-D parameters only (gradsched.weight_decay_groups)
     inputs: str = ""  # Hugging Face models: "documents" (packed: positions restart), "padding" (attention_mask)
+    checkpointing: str = ""  # activation checkpointing, in the parallel run and the reference alike: a mode of
+    # tiny_gpt.checkpoint_kwargs (tiny_gpt: torch.utils.checkpoint around each block, as a user writes it;
+    # Hugging Face: the model's own gradient_checkpointing_enable)
 
     @property
     def loss_fn(self):
@@ -99,7 +102,7 @@ def build_model(job: Job):
     """(model, split points) with the job's seed: the same weights in every process."""
     torch.manual_seed(job.seed)
     if job.model == "tiny_gpt":
-        model = TinyGPT(job.config)
+        model = TinyGPT(replace(job.config, checkpoint=job.checkpointing))
         if job.variant == "untied":
             model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
         elif job.variant == "hidden_tie":  # a second tie between the same two stages
@@ -109,7 +112,10 @@ def build_model(job: Job):
         return model, list(job.split_points)
     from gradsched.hf import MODELS
     c = job.config
-    return MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
+    model, split_points = MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
+    if job.checkpointing:
+        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(job.checkpointing))
+    return model, split_points
 
 
 def optimizer_kwargs(job: Job) -> dict:

@@ -5,11 +5,13 @@ with everything that matters here (a tied weight used at both ends, SDPA).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 
 @dataclass
@@ -19,6 +21,7 @@ class GPTConfig:
     dim: int = 32
     heads: int = 4
     layers: int = 2
+    checkpoint: str = ""  # activation checkpointing of every block in training: see checkpoint_kwargs
 
 
 class Block(nn.Module):
@@ -64,8 +67,28 @@ class TinyGPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
         x = self.wte(idx) + self.wpe(pos)
         for block in self.blocks:
-            x = block(x)
+            if self.config.checkpoint and self.training:
+                x = checkpoint(block, x, **checkpoint_kwargs(self.config.checkpoint))
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_kwargs(mode: str) -> dict:
+    """torch.utils.checkpoint's arguments for an activation-checkpointing mode: "reentrant",
+    "non_reentrant", or "selective" (non-reentrant with a context_fn policy: matmul outputs
+    saved, everything else, attention included, recomputed in the backward)."""
+    if mode == "selective":
+        return {"use_reentrant": False,
+                "context_fn": functools.partial(create_selective_checkpoint_contexts, _save_matmuls)}
+    if mode not in ("reentrant", "non_reentrant"):
+        raise ValueError(f"unknown checkpoint mode {mode!r}: 'reentrant', 'non_reentrant' or 'selective'")
+    return {"use_reentrant": mode == "reentrant"}
 
 
 def lm_loss(logits, targets):

@@ -50,13 +50,14 @@ def _local_sequence_length(example_inputs) -> int | None:
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
     """Context parallelism: attention becomes ring steps over the plan's CP group."""
     from gradsched import ring_attention as ring
-    from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
+    from gradsched.passes.context_parallel import RingSpec, attention_left, lower_attention_to_ring
     _, report = lower_attention_to_ring(gm, RingSpec(
         plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention, check=ring.check_attention_call,
         accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance, a2a_degree=opts.a2a_degree))
     from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
-    local = report.left_local + hand_written_attention(gm) + \
-        unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
+    # whatever the lowering walked or not: any attention call left, at any depth, is refused
+    left = report.left_local + [a for a in attention_left(gm) if not any(a in w for w in report.left_local)]
+    local = left + hand_written_attention(gm) + unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
     if local:
         raise NotImplementedError(
             f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "

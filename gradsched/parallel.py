@@ -58,6 +58,39 @@ def _check_takes_seq_idx(model: nn.Module) -> None:
         "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")
 
 
+@contextlib.contextmanager
+def _checkpointed_calls():
+    """The functions torch.utils.checkpoint is asked to checkpoint while this runs (either use_reentrant)."""
+    import torch.utils.checkpoint as ckpt
+    calls, reentrant, generator = [], ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, *args):
+            calls.append(function)
+            return reentrant.apply(function, *args)
+
+    def non_reentrant(function, *args, **kwargs):
+        calls.append(function)
+        return generator(function, *args, **kwargs)
+
+    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = Reentrant, non_reentrant
+    try:
+        yield calls
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = reentrant, generator
+
+
+def _warn_checkpointing_dropped(calls: int, pp: int) -> None:
+    # pipelining's trace (torch.export) runs a checkpointed function as a plain call: the stages it
+    # builds hold no checkpoint, so they train exactly, and keep every activation
+    import warnings
+    warnings.warn(f"activation checkpointing is not kept under pipeline parallelism (pp={pp}): "
+                  f"torch.distributed.pipelining's trace runs the model's {calls} checkpointed call(s) as plain "
+                  "calls, so each stage keeps all its activations. Training is unchanged; memory is not saved. "
+                  "Checkpointing works at pp=1 (with dp and cp).", UserWarning, stacklevel=3)
+
+
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
                  ties=None, fullgraph=True, ignore_index=-100, **options):
@@ -134,7 +167,7 @@ class ParallelModel:
         # unflattener turns into a call with no arguments. The stages still run under
         # autograd; only the trace is affected.
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _checkpointed_calls() as checkpointed:
                 pipe = pipeline(self.model, mb_args=microbatch,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as e:  # export's message is generic; the model's own error is in the chain
@@ -149,6 +182,8 @@ class ParallelModel:
                     "split points.")
             raise err from e
         _check_first_stage_inputs(pipe, type(self.model).__name__)
+        if checkpointed:
+            _warn_checkpointing_dropped(len(checkpointed), self.plan.pp)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)

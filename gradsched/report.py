@@ -97,6 +97,8 @@ def attention_report(reports) -> str:
                 line += f", window {c.window}"
             if c.load_balance == "documents":
                 line += ", documents balanced over the ranks"
+            if c.inside:  # its backward runs the ring again (activation checkpointing recomputes it)
+                line += f", inside an {c.inside}" if c.inside[0] in "aeiou" else f", inside a {c.inside}"
             if c.comm in ("ring", "allgather", "hybrid") and c.local_len:
                 steps = ring_steps(rep.cp, c.local_len, c.causal, c.load_balance, c.window, c.comm, c.a2a_degree)
                 line += f", ring steps {steps} of {rep.cp // (c.a2a_degree if c.comm == 'hybrid' else 1)}"

@@ -4,7 +4,10 @@ Invariant: after `lower_attention_to_ring`, every attention call of a recognised
 (ATTENTION_FORMS: F.scaled_dot_product_attention, aten.scaled_dot_product_attention,
 aten._scaled_dot_product_flash_attention_for_cpu, flash-attn's flash_attn_func when
 flash-attn is importable, and gradsched.masks.attention, whose window, position ids, padding
-and explicit documents (seq_idx) are handed to the ring as they are) is a call of `spec.attention` (the runtime's ring,
+and explicit documents (seq_idx) are handed to the ring as they are), in the graph and in the
+body of every higher-order op that runs its body inline (INLINE_BODIES: activation checkpointing
+in all its forms, wrap, autocast and grad-mode regions, nested compile regions) at any depth,
+is a call of `spec.attention` (the runtime's ring,
 gradsched.ring_attention.ring_attention, handed in: passes never import the runtime) over
 the CP group `spec.cp_group_name`: the same inputs, an output of the same shape and dtype, and
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
@@ -22,7 +25,10 @@ load_balance="documents" every lowered call carries seq_idx and the head-tail la
 (load_balance=True); a call without seq_idx is refused (it would attend across documents that
 the reordering interleaved). What was lowered, and which attention-like calls
 of other forms were left local, is returned as a ContextParallelReport so a caller can
-refuse or warn.
+refuse or warn. An attention call in any other body (a cond branch, a loop, a custom
+autograd.Function's) is never lowered: not every rank would run its ring alike. It is reported in
+left_local, and `attention_left` finds any attention call left anywhere, at any depth, for the
+backend to refuse.
 
 Assumes: the graph is ONE rank's forward on its slice of the sequence, laid out by
 gradsched.cp_layout with the same `load_balance`, and every rank of the CP group
@@ -131,6 +137,7 @@ class LoweredAttention:
     window: int | None = None
     local_len: int | None = None  # one rank's slice of the sequence
     load_balance: bool | str = True  # "documents": the document-balanced layout (gradsched.cp_layout)
+    inside: str = ""  # the higher-order op whose body it was lowered in ("activation checkpoint"), or ""
 
 
 @dataclass
@@ -142,24 +149,79 @@ class ContextParallelReport:
 
 
 def lower_attention_to_ring(gm: fx.GraphModule, spec: RingSpec) -> tuple[fx.GraphModule, ContextParallelReport]:
-    """Rewrite gm's attention calls into ring attention over the spec's CP group (in place)."""
+    """Rewrite gm's attention calls into ring attention over the spec's CP group (in place), in gm's
+    graph and in the bodies of the higher-order ops that run their body inline (INLINE_BODIES), at any
+    depth; an attention call in any other body is left, and reported in left_local."""
     _check_group(spec.cp_group_name, spec.cp)
     report = ContextParallelReport(spec.cp, spec.cp_group_name)
+    _lower_graph(gm, spec, report, inside="", seen=set())
+    return gm, report
+
+
+# Higher-order ops whose body runs once per call, on every rank alike, as if inlined. Activation
+# checkpointing (HF's gradient_checkpointing_enable, torch.utils.checkpoint with either use_reentrant,
+# a selective context_fn policy: Dynamo makes all of them tag_activation_checkpoint) runs its body again
+# in the backward: lowered there, the recomputation recomputes the ring, with the same collectives on
+# every rank, and the ring's saved tensors follow the checkpoint's policy like any other op's.
+INLINE_BODIES = {"tag_activation_checkpoint": "activation checkpoint", "wrap": "wrap",
+                 "wrap_with_set_grad_enabled": "set_grad_enabled region", "wrap_with_autocast": "autocast region",
+                 "invoke_subgraph": "nested compile region"}
+
+
+def _lower_graph(gm: fx.GraphModule, spec: RingSpec, report: ContextParallelReport, inside: str, seen: set) -> None:
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
+            continue
+        bodies = _bodies(gm, node)
+        if bodies:
+            hop = _target_name(node)
+            for body in bodies:
+                if id(body) in seen:  # one body called twice (invoke_subgraph): lowered once
+                    continue
+                seen.add(id(body))
+                if hop in INLINE_BODIES:
+                    _lower_graph(body, spec, report, inside or INLINE_BODIES[hop], seen)
+                else:  # a branch, a loop, a custom autograd.Function: not every rank runs the ring alike
+                    report.left_local += [f"{where} inside {hop}'s body, which the ring cannot run in"
+                                          for where in attention_left(body)]
             continue
         form = MASKED if str(node.target) in _MASKED_OPS else ATTENTION_FORMS.get(node.target)
         if form is None:
             if _looks_like_attention(node):
                 report.left_local.append(f"{node.name} ({_target_name(node)}) at {_where(node)}")
             continue
-        report.lowered.append(_lower_one(gm.graph, node, form, spec))
+        report.lowered.append(_lower_one(gm.graph, node, form, spec, inside))
     gm.graph.lint()
     gm.recompile()
-    return gm, report
 
 
-def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSpec) -> LoweredAttention:
+def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
+    """The subgraphs a higher-order op's call runs (its get_attr arguments naming GraphModules)."""
+    out = []
+    for a in node.args:
+        if isinstance(a, fx.Node) and a.op == "get_attr":
+            sub = getattr(gm, a.target, None)
+            if isinstance(sub, fx.GraphModule):
+                out.append(sub)
+    return out
+
+
+def attention_left(gm: fx.GraphModule) -> list[str]:
+    """'node (target) at where' for every attention call of a form the pass knows, or of the other
+    kernels' forms, anywhere in gm or its subgraphs at any depth. After lowering, anything here runs
+    on one rank's slice of the sequence only: the backend refuses it (never local by accident)."""
+    found = []
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            if n.op == "call_function" and (str(n.target) in _MASKED_OPS or n.target in ATTENTION_FORMS
+                                            or _looks_like_attention(n)):
+                found.append(f"{n.name} ({_target_name(n)}) at {_where(n)}")
+    return found
+
+
+def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSpec, inside: str) -> LoweredAttention:
     group, cp, causal_default = spec.cp_group_name, spec.cp, spec.causal_default
     accumulate, comm, load_balance = spec.accumulate, spec.comm, spec.load_balance
     args = _bind(node, form)
@@ -226,7 +288,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     graph.erase_node(node)
     return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
                             getattr(choice, "a2a", 1), getattr(choice, "why", ""), window, local_len,
-                            "documents" if documents else load_balance)
+                            "documents" if documents else load_balance, inside)
 
 
 def _bind(node: fx.Node, form: AttentionForm) -> dict:

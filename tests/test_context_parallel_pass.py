@@ -322,3 +322,98 @@ def test_the_document_balanced_layout_lowers_calls_given_seq_idx_and_reports_it(
     (node,) = calls(gm, ring_attention)
     assert node.kwargs["load_balance"] is True and "seq_idx" in node.kwargs
     assert report.lowered[0].load_balance == "documents"
+
+
+# ---- attention inside higher-order ops' bodies --------------------------------------------------
+
+def calls_anywhere(gm, target):
+    return [n for sub in gm.modules() if isinstance(sub, fx.GraphModule) for n in calls(sub, target)]
+
+
+def checkpointed_layers(mode):
+    """two_layers with each layer under torch.utils.checkpoint, as a user or HF's
+    gradient_checkpointing_enable writes it (Dynamo puts each layer's body in a subgraph)."""
+    from tiny_gpt import checkpoint_kwargs
+
+    def layer(x, k, v):
+        return F.scaled_dot_product_attention(x, k, v, is_causal=True, enable_gqa=True)
+
+    def fn(q, k, v):
+        x = torch.utils.checkpoint.checkpoint(layer, q, k, v, **checkpoint_kwargs(mode))
+        return torch.utils.checkpoint.checkpoint(layer, x, k, v, **checkpoint_kwargs(mode))
+    return fn
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant", "selective"])
+def test_attention_inside_an_activation_checkpoint_is_lowered_in_its_body(mode):
+    gm, report = lower_with_report(dynamo_graph(checkpointed_layers(mode), *qkv()))
+    assert len(calls_anywhere(gm, ring_attention)) == 2 and not calls(gm, ring_attention)  # in the bodies
+    assert not calls_anywhere(gm, torch._C._nn.scaled_dot_product_attention)
+    assert [c.inside for c in report.lowered] == ["activation checkpoint"] * 2 and report.left_local == []
+    for sub in gm.modules():  # the ring nodes keep the replaced calls' fake values
+        for n in calls(sub, ring_attention):
+            assert n.meta["example_value"].shape == (B, H, L, D)
+
+
+def test_attention_in_a_branch_is_left_local_naming_the_branch_not_lowered():
+    def branchy(q, k, v):  # a branch some ranks may not take: a ring there could hang
+        return torch.cond(q.sum() > 0, lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                          lambda q, k, v: q * 2, (q, k, v))
+    gm, report = lower_with_report(dynamo_graph(branchy, *qkv(kv_heads=H)))
+    assert report.lowered == [] and len(report.left_local) == 1
+    assert "inside cond's body" in report.left_local[0] and "test_context_parallel_pass.py" in report.left_local[0]
+
+
+def test_the_scan_finds_attention_left_in_a_subgraph_at_its_line(monkeypatch):
+    # mutation: a lowering that did not walk checkpoint bodies would leave the calls local; the scan the
+    # backend runs after lowering still names both, with the user's line
+    from gradsched.passes import context_parallel
+    from gradsched.passes.context_parallel import attention_left
+    assert attention_left(lower(dynamo_graph(checkpointed_layers("non_reentrant"), *qkv()))) == []
+    monkeypatch.setattr(context_parallel, "INLINE_BODIES", {})
+    gm, report = lower_with_report(dynamo_graph(checkpointed_layers("non_reentrant"), *qkv()))
+    assert report.lowered == []
+    left = attention_left(gm)
+    assert len(left) == 2 and all("scaled_dot_product_attention" in w and "test_context_parallel_pass.py" in w
+                                  for w in left)
+
+
+@pytest.fixture
+def fake_world_of_two():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def _collectives_per_graph(fn, group, *args) -> dict:
+    """The number of collectives in the forward and the backward graph AOTAutograd makes of fn, lowered."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from gradsched.passes.graph_utils import is_collective
+    counts = {}
+
+    def count(where):
+        def compiler(gm, example_inputs):
+            counts[where] = sum(1 for n in gm.graph.nodes if is_collective(n))
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def backend(gm, example_inputs):
+        lower_attention_to_ring(gm, ring_spec(group, 2))
+        return aot_autograd(fw_compiler=count("fw"), bw_compiler=count("bw"), decompositions=select_decomp_table(),
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args).sum().backward()
+    return counts
+
+
+def test_a_checkpointed_layers_backward_recomputes_the_ring(fake_world_of_two):
+    # the recomputation recomputes the ring (its collectives run again in the backward, the same graph
+    # on every rank), instead of saving its output as a plain layer's backward would
+    plain = _collectives_per_graph(two_layers, fake_world_of_two, *qkv())
+    for mode in ("non_reentrant", "selective"):
+        got = _collectives_per_graph(checkpointed_layers(mode), fake_world_of_two, *qkv())
+        assert got["fw"] == plain["fw"] > 0 and got["bw"] == plain["bw"] + plain["fw"], (mode, got, plain)

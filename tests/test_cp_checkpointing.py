@@ -1,0 +1,63 @@
+"""Activation checkpointing under context parallelism trains exactly as in one process.
+
+Dynamo puts a checkpointed layer (HF's gradient_checkpointing_enable, torch.utils.checkpoint with
+either use_reentrant, a selective context_fn policy) in a subgraph; its attention must become the
+ring there too, and the backward's recomputation must recompute the ring. Left local, each rank
+would attend over its own slice only: the loss was 1.5e-3 relative off with no error.
+
+Each case trains on 4 gloo processes and compares, against the unsplit model in one process (HF's
+own SDPA attention, checkpointed the same way), the first step's reduced gradients, every loss and
+every parameter (SGD: the update is the gradient), as tests/test_option_matrix.py does.
+"""
+import pytest
+
+from test_option_matrix import assert_like_one_process, run_jobs
+from tied_training import Job
+from tiny_gpt import GPTConfig
+
+
+def job(model, pp, dp, cp, checkpointing, **options):
+    seq = 16 if model == "tiny_gpt" else 64  # Qwen2's window 16 then hides keys
+    return Job(pp=pp, dp=dp, cp=cp, steps=2, optimizer="sgd", lr=0.5, model=model, checkpointing=checkpointing,
+               config=GPTConfig(seq=seq), options={"compiler": "eager", **options})
+
+
+CASES = {  # Llama and Qwen2 (a window), eager and Inductor, ring and a2a, dp2 x cp2 and pp2 x cp2
+    "hf_llama_non_reentrant_dp2_cp2": job("hf_llama", 1, 2, 2, "non_reentrant"),
+    # pipelining's trace drops the checkpoint (a warning says so): the stages still train exactly
+    "hf_qwen2_window_reentrant_pp2_cp2_m2_a2a": job("hf_qwen2", 2, 1, 2, "reentrant", microbatches=2, comm="a2a"),
+    "inductor_hf_qwen2_window_non_reentrant_dp2_cp2": job("hf_qwen2", 1, 2, 2, "non_reentrant", compiler="inductor"),
+    # the user's own torch.utils.checkpoint around each block, with a policy that recomputes attention
+    "inductor_tiny_gpt_selective_dp2_cp2": job("tiny_gpt", 1, 2, 2, "selective", compiler="inductor"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_jobs(CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_checkpointed_model_under_cp_trains_like_one_process(name, runs):
+    assert_like_one_process(CASES[name], runs[name])
+
+
+def test_the_report_says_the_ring_runs_inside_an_activation_checkpoint(runs):
+    report = runs["hf_llama_non_reentrant_dp2_cp2"][0]["report"]
+    assert report.count("ring, inside an activation checkpoint, ring steps [0, 1] of 2") == 2
+
+
+@pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "selective"])
+def test_checkpointed_calls_are_counted_while_pipelining_traces_and_torch_is_left_as_it_was(mode):
+    # pipelining's trace runs checkpointed calls as plain ones: parallelize counts them to warn that
+    # the stages keep their activations
+    import torch
+    import torch.utils.checkpoint as ckpt
+    from gradsched.parallel import _checkpointed_calls
+    from tiny_gpt import TinyGPT
+    before = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+    model = TinyGPT(GPTConfig(checkpoint=mode))
+    with _checkpointed_calls() as calls:
+        model(torch.zeros(1, 16, dtype=torch.long)).sum().backward()
+    assert calls == list(model.blocks)
+    assert (ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator) == before
