@@ -45,6 +45,8 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .sequence_mixing import module_of
+
 
 class RingAttentionError(ValueError):
     """An attention call that the context-parallel ring cannot run as asked."""
@@ -188,7 +190,7 @@ def _lower_graph(gm: fx.GraphModule, spec: RingSpec, report: ContextParallelRepo
         form = MASKED if str(node.target) in _MASKED_OPS else ATTENTION_FORMS.get(node.target)
         if form is None:
             if _looks_like_attention(node):
-                report.left_local.append(f"{node.name} ({_target_name(node)}) at {_where(node)}")
+                report.left_local.append(_describe(node))
             continue
         report.lowered.append(_lower_one(gm.graph, node, form, spec, inside))
     gm.graph.lint()
@@ -207,7 +209,7 @@ def _bodies(gm: fx.GraphModule, node: fx.Node) -> list[fx.GraphModule]:
 
 
 def attention_left(gm: fx.GraphModule) -> list[str]:
-    """'node (target) at where' for every attention call of a form the pass knows, or of the other
+    """'node (target) in module at where' for every attention call of a form the pass knows, or of the other
     kernels' forms, anywhere in gm or its subgraphs at any depth. After lowering, anything here runs
     on one rank's slice of the sequence only: the backend refuses it (never local by accident)."""
     found = []
@@ -217,8 +219,12 @@ def attention_left(gm: fx.GraphModule) -> list[str]:
         for n in sub.graph.nodes:
             if n.op == "call_function" and (str(n.target) in _MASKED_OPS or n.target in ATTENTION_FORMS
                                             or _looks_like_attention(n)):
-                found.append(f"{n.name} ({_target_name(n)}) at {_where(n)}")
+                found.append(_describe(n))
     return found
+
+
+def _describe(node: fx.Node) -> str:
+    return f"{node.name} ({_target_name(node)}) in module '{module_of(node)}' at {_where(node)}"
 
 
 def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSpec, inside: str) -> LoweredAttention:
