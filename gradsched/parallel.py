@@ -60,19 +60,21 @@ def _check_takes_seq_idx(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _checkpointed_calls():
-    """The functions torch.utils.checkpoint is asked to checkpoint while this runs (either use_reentrant)."""
+    """(function, checkpoint arguments) for each call torch.utils.checkpoint is asked to checkpoint
+    while this runs, either use_reentrant."""
     import torch.utils.checkpoint as ckpt
     calls, reentrant, generator = [], ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
 
     class Reentrant:
         @staticmethod
         def apply(function, *args):
-            calls.append(function)
+            calls.append((function, {"use_reentrant": True}))
             return reentrant.apply(function, *args)
 
-    def non_reentrant(function, *args, **kwargs):
-        calls.append(function)
-        return generator(function, *args, **kwargs)
+    def non_reentrant(function, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *args, **kwargs):
+        selective = {} if context_fn is ckpt.noop_context_fn else {"context_fn": context_fn}  # Dynamo takes no other
+        calls.append((function, {"use_reentrant": False, **selective}))
+        return generator(function, preserve_rng_state, context_fn, *args, **kwargs)
 
     ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = Reentrant, non_reentrant
     try:
@@ -81,14 +83,64 @@ def _checkpointed_calls():
         ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = reentrant, generator
 
 
+def _module_called(function) -> nn.Module | None:
+    """The module whose forward a checkpointed function is: the module itself (checkpoint(block, x)), the
+    owner of a bound method, or, through partials, a class's forward given its module first (HF's layers
+    checkpoint partial(forward, self, **kwargs))."""
+    while isinstance(function, functools.partial):
+        first = function.args[0] if function.args else None
+        if isinstance(first, nn.Module) and _is_forward_of(function.func, first):
+            return first
+        function = function.func
+    owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _is_forward_of(function, module: nn.Module) -> bool:
+    qualname = getattr(function, "__qualname__", "").split(".")
+    return qualname[-1:] == ["forward"] and len(qualname) > 1 and \
+        qualname[-2] in {c.__name__ for c in type(module).__mro__}
+
+
+def checkpoint_stage_modules(stage_module: nn.Module, model: nn.Module, calls: list) -> list:
+    """Activation checkpointing back in a pipeline stage: pipelining's trace (torch.export) runs each
+    checkpointed call as a plain one, so the stage it builds holds no checkpoint. Every submodule of
+    `stage_module` named as a module the model checkpointed gets its calls checkpointed again, with
+    the same arguments (Dynamo then makes them tag_activation_checkpoint, as in the unsplit model;
+    parameter names are unchanged). Returns the checkpointed functions that are no module's call,
+    which cannot be put back."""
+    names = {id(m): n for n, m in model.named_modules()}
+    lost, wanted = [], {}
+    for function, kwargs in calls:
+        module = _module_called(function)
+        if module is None or id(module) not in names:
+            lost.append(function)
+        else:
+            wanted[names[id(module)]] = kwargs
+    for name, sub in stage_module.named_modules():
+        if name in wanted:
+            _checkpoint_calls(sub, wanted[name])
+    return lost
+
+
+def _checkpoint_calls(module: nn.Module, kwargs: dict) -> None:
+    from torch.utils.checkpoint import checkpoint
+    cls = type(module)
+
+    def forward(self, *args, **kw):
+        return checkpoint(super(checkpointed, self).forward, *args, **kwargs, **kw)
+    checkpointed = type(cls.__name__, (cls,), {"forward": forward})  # its own class: the instance only
+    module.__class__ = checkpointed
+
+
 def _warn_checkpointing_dropped(calls: int, pp: int) -> None:
-    # pipelining's trace (torch.export) runs a checkpointed function as a plain call: the stages it
-    # builds hold no checkpoint, so they train exactly, and keep every activation
     import warnings
-    warnings.warn(f"activation checkpointing is not kept under pipeline parallelism (pp={pp}): "
-                  f"torch.distributed.pipelining's trace runs the model's {calls} checkpointed call(s) as plain "
-                  "calls, so each stage keeps all its activations. Training is unchanged; memory is not saved. "
-                  "Checkpointing works at pp=1 (with dp and cp).", UserWarning, stacklevel=3)
+    warnings.warn(f"activation checkpointing is partly lost under pipeline parallelism (pp={pp}): "
+                  f"torch.distributed.pipelining's trace runs the model's checkpointed calls as plain calls, "
+                  f"and gradsched puts back only checkpoints of a module's call; {calls} call(s) of other "
+                  "functions keep their activations. Training is unchanged; memory is not saved there. "
+                  "Checkpoint whole modules (torch.utils.checkpoint(module, ...)) to keep it.",
+                  UserWarning, stacklevel=3)
 
 
 class ParallelModel:
@@ -182,12 +234,14 @@ class ParallelModel:
                     "split points.")
             raise err from e
         _check_first_stage_inputs(pipe, type(self.model).__name__)
-        if checkpointed:
-            _warn_checkpointing_dropped(len(checkpointed), self.plan.pp)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
-        self._build(ties, pipe.get_stage_module(self.plan.stage))
+        stage_module = pipe.get_stage_module(self.plan.stage)
+        lost = checkpoint_stage_modules(stage_module, self.model, checkpointed)
+        if lost:
+            _warn_checkpointing_dropped(len(lost), self.plan.pp)
+        self._build(ties, stage_module)
         sync = self.grad_sync
 
         class Stage(PipelineStage):

@@ -24,7 +24,7 @@ def job(model, pp, dp, cp, checkpointing, **options):
 
 CASES = {  # Llama and Qwen2 (a window), eager and Inductor, ring and a2a, dp2 x cp2 and pp2 x cp2
     "hf_llama_non_reentrant_dp2_cp2": job("hf_llama", 1, 2, 2, "non_reentrant"),
-    # pipelining's trace drops the checkpoint (a warning says so): the stages still train exactly
+    # pipelining's trace drops the checkpoint: gradsched puts it back on the stage's layers
     "hf_qwen2_window_reentrant_pp2_cp2_m2_a2a": job("hf_qwen2", 2, 1, 2, "reentrant", microbatches=2, comm="a2a"),
     "inductor_hf_qwen2_window_non_reentrant_dp2_cp2": job("hf_qwen2", 1, 2, 2, "non_reentrant", compiler="inductor"),
     # the user's own torch.utils.checkpoint around each block, with a policy that recomputes attention
@@ -47,17 +47,47 @@ def test_the_report_says_the_ring_runs_inside_an_activation_checkpoint(runs):
     assert report.count("ring, inside an activation checkpoint, ring steps [0, 1] of 2") == 2
 
 
+def test_each_pipeline_stage_checkpoints_its_own_layers_again(runs):
+    for r in runs["hf_qwen2_window_reentrant_pp2_cp2_m2_a2a"]:  # one layer per stage
+        assert r["report"].count("a2a, window 16, inside an activation checkpoint") == 1, r["report"]
+
+
 @pytest.mark.parametrize("mode", ["reentrant", "non_reentrant", "selective"])
-def test_checkpointed_calls_are_counted_while_pipelining_traces_and_torch_is_left_as_it_was(mode):
-    # pipelining's trace runs checkpointed calls as plain ones: parallelize counts them to warn that
-    # the stages keep their activations
+def test_a_pipeline_stage_gets_back_the_checkpoints_its_trace_ran_as_plain_calls(mode):
     import torch
     import torch.utils.checkpoint as ckpt
-    from gradsched.parallel import _checkpointed_calls
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    from gradsched.parallel import _checkpointed_calls, checkpoint_stage_modules
     from tiny_gpt import TinyGPT
     before = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
-    model = TinyGPT(GPTConfig(checkpoint=mode))
-    with _checkpointed_calls() as calls:
-        model(torch.zeros(1, 16, dtype=torch.long)).sum().backward()
-    assert calls == list(model.blocks)
+    model, x = TinyGPT(GPTConfig(checkpoint=mode)), torch.zeros(1, 16, dtype=torch.long)
+    with torch.no_grad(), _checkpointed_calls() as calls:
+        pipe = pipeline(model, mb_args=(x,), split_spec={"blocks.1": SplitPoint.BEGINNING})
+    assert [f for f, _ in calls] == list(model.blocks)  # torch's functions are put back afterwards
     assert (ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator) == before
+    stage = pipe.get_stage_module(0)
+    names = [n for n, _ in stage.named_parameters()]
+    assert checkpoint_stage_modules(stage, model, calls) == []
+    assert [n for n, _ in stage.named_parameters()] == names
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    torch._dynamo.reset()
+    torch.compile(stage, backend=capture)(x)
+    assert [str(n.target) for n in graphs[0].graph.nodes if "checkpoint" in str(n.target)] == \
+        ["tag_activation_checkpoint"]  # blocks.0, the first stage's one block
+
+
+def test_a_checkpointed_function_that_is_no_modules_call_is_reported_lost():
+    import torch
+    from gradsched.parallel import _checkpointed_calls, checkpoint_stage_modules
+    from tiny_gpt import TinyGPT
+    model = TinyGPT(GPTConfig())
+
+    def closure(x):
+        return model.blocks[0](x) * 2
+    with _checkpointed_calls() as calls:
+        torch.utils.checkpoint.checkpoint(closure, torch.zeros(1, 4, 32), use_reentrant=False)
+    assert checkpoint_stage_modules(model, model, calls) == [closure]
