@@ -17,14 +17,18 @@ declared to DCP as pieces of the flattened parameter: nothing is gathered, and l
 reads, for each piece of the new layout, whatever saved pieces overlap it. So a run saved
 at pp2 x dp2 loads at pp1 x dp4 or with another bucket_mb.
 
-Atomic: a save is written to <path>/step-<N>.partial, and only after every rank has
-finished is it renamed to <path>/step-<N> and named in <path>/latest (rewritten by a
-rename). A crash mid-save leaves the last good checkpoint where `latest` says.
+Atomic: a save is written to <path>/step-<N>.partial; after every rank has written, the
+size and crc32 of every file go into its manifest (gradsched.checkpoint_files), written
+last; only then is it renamed to <path>/step-<N> and named in <path>/latest (rewritten by
+a rename). A crash mid-save leaves the last good checkpoint where `latest` says.
 
-Loading checks the checkpoint against the model before reading anything: missing,
-extra or reshaped parameters and another optimizer class are refused by name. The
-optimizer's state is read when the optimizer builds its shards (its first step), since
-only then is the layout known; the model's parameters are read at once.
+Loading checks before reading anything: every file's size and crc32 against the manifest
+(the ranks share the reading; every rank raises the same error), every record inside its
+file, and the checkpoint against the model (missing, extra or reshaped parameters and
+another optimizer class are refused by name). So the optimizer's state, read when the
+optimizer builds its shards (its first step: only then is the layout known), has been
+verified at load; the model's parameters are read at once. No error of DCP's leaves as
+torch's CheckpointException (a BaseException): each is a CheckpointError.
 """
 from __future__ import annotations
 
@@ -36,13 +40,17 @@ import warnings
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from .checkpoint_files import (LATEST, MANIFEST, CheckpointError, checkpoint_dir, damage, damaged, file_sum,
+                               read_manifest, write_manifest)
 from .optimizer import unsplit_module, unsplit_named_parameters
 from .runtime import find_sync
 from .shards import owned_pieces
 from .stage_setup import process_group
 
-LATEST = "latest"
+__all__ = ["CheckpointError", "checkpoint_dir", "load", "save"]
 
 
 @contextlib.contextmanager
@@ -55,8 +63,23 @@ def _pieces_api():
         yield
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded into this model and optimizer."""
+def _dcp(doing: str, where: str, fn):
+    """fn() (a DCP call), with DCP's failures as a CheckpointError naming `where`: DCP raises
+    CheckpointException, a BaseException that `except Exception` misses, on every rank alike."""
+    try:
+        return fn()
+    except CheckpointException as e:
+        why = "; ".join(f"rank {r}: {type(exc).__name__}: {_first_line(exc)}"
+                        for r, (exc, _) in sorted(e.failures.items()))
+        raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {why}.") from None
+    except Exception as e:  # before DCP's collectives (reading .metadata, planning): this rank's own error
+        raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {type(e).__name__}: "
+                              f"{_first_line(e)}.") from e
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else ""
 
 
 # ---- names ------------------------------------------------------------------------------------
@@ -188,7 +211,8 @@ def _state_keys(optimizer, plan) -> list[str]:
 
 def save(path: str, model, optimizer=None, *, step: int, data_position: int | None = None) -> str:
     """Save the model, the optimizer and the position of the run; every rank calls it. Returns the
-    checkpoint's directory. Atomic: until every rank has written, `latest` names the previous one."""
+    checkpoint's directory. Atomic: until every rank has written and the manifest (each file's size
+    and crc32) is in place, `latest` names the previous one."""
     rank = dist.get_rank()
     final = os.path.join(path, f"step-{step:08d}")
     partial = final + ".partial"
@@ -202,11 +226,13 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
                                                  device="cpu")
     if optimizer is not None:
         state["meta/optimizer"] = _encode(optimizer.optimizer_class.__name__)
+    writer = _RecordingWriter(partial)
     with _pieces_api():
         state.update(_optimizer_entries(model, optimizer))
-        dcp.save(state, checkpoint_id=partial)
-    dist.barrier()  # every rank has written its pieces, and rank 0 the metadata
+        _dcp("saving", partial, lambda: dcp.save(state, storage_writer=writer))
+    sums = _gather_sums(partial, writer.files)  # also the barrier: every rank has written
     if rank == 0:
+        write_manifest(partial, _with_rank0_files(partial, sums))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(partial, final)
         tmp = os.path.join(path, LATEST + ".tmp")
@@ -219,6 +245,43 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
     return final
 
 
+class _RecordingWriter(FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote: each rank sums its own files,
+    while they are still in its page cache, and no rank reads another's."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.files: list[str] = []
+
+    def write_data(self, plan, planner):
+        fut = super().write_data(plan, planner)
+        self.files = sorted({r.storage_data.relative_path for r in fut.wait()})
+        return fut
+
+
+def _gather_sums(partial: str, files: list[str]) -> dict[str, tuple[int, int]]:
+    """Every rank's {file: (size, crc32)}, on every rank; a rank that cannot read its files makes the
+    save fail on every rank (the checkpoint stays partial), never a hang."""
+    try:
+        mine, problem = {n: file_sum(os.path.join(partial, n)) for n in files}, None
+    except OSError as e:
+        mine, problem = {}, f"rank {dist.get_rank()}: {e}"
+    got = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (mine, problem))
+    problems = [p for _, p in got if p]
+    if problems:
+        raise CheckpointError(f"saving the checkpoint at {partial!r} failed: its files cannot be read back to "
+                              f"sum them ({'; '.join(problems)}); it stays partial.")
+    return {n: v for m, _ in got for n, v in m.items()}
+
+
+def _with_rank0_files(partial: str, sums: dict) -> dict:
+    """Add what no rank reported writing (DCP's .metadata, written by rank 0; a rank's empty file):
+    the manifest covers every file of the checkpoint."""
+    rest = [n for n in sorted(os.listdir(partial)) if n not in sums and not n.startswith(MANIFEST)]
+    return {**sums, **{n: file_sum(os.path.join(partial, n)) for n in rest}}
+
+
 def _encode(s: str) -> torch.Tensor:
     return torch.tensor(list(s.encode()), dtype=torch.uint8, device="cpu")  # host metadata
 
@@ -229,27 +292,20 @@ def _decode(t: torch.Tensor) -> str:
 
 # ---- load ------------------------------------------------------------------------------------
 
-def checkpoint_dir(path: str) -> str:
-    """The checkpoint to load: `path` itself if it is one, else the one its `latest` names."""
-    latest = os.path.join(path, LATEST)
-    if os.path.isfile(latest):
-        with open(latest) as f:
-            path = os.path.join(path, f.read().strip())
-    if not os.path.isdir(path):
-        raise CheckpointError(f"no checkpoint at {path!r}: give a directory gradsched.save wrote (or its parent, "
-                              "whose 'latest' names the newest).")
-    if path.endswith(".partial") or not os.path.isfile(os.path.join(path, ".metadata")):
-        raise CheckpointError(
-            f"the checkpoint at {path!r} is incomplete: its save did not finish (a crash or a stopped rank), so "
-            "it has no metadata. Load its parent directory, whose 'latest' names the last complete checkpoint.")
-    return path
+def load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
+    """Load a checkpoint saved by `save`, at any layout; every rank calls it. Returns {"step",
+    "data_position", "path"} (path: the checkpoint directory read, e.g. the one `latest` named).
 
-
-def load(path: str, model, optimizer=None) -> dict:
-    """Load a checkpoint saved by `save`, at any layout; every rank calls it. Returns
-    {"step", "data_position", "path"}."""
-    where = checkpoint_dir(path)
-    md = dcp.FileSystemReader(where).read_metadata().state_dict_metadata
+    Before anything is restored, every file's size and crc32 are checked against the manifest, and
+    the checkpoint against the model and optimizer: a damaged or unfitting checkpoint is a
+    CheckpointError on every rank, with the model and optimizer untouched. verify=False skips the
+    checksums (a checkpoint written before them: no manifest); the other checks stay."""
+    where = checkpoint_dir(path, verify)
+    if verify:
+        _verify_files(where)
+    metadata = _read_metadata(where)
+    _check_records(where, metadata)
+    md = metadata.state_dict_metadata
     mine = _model_tensors(model, writing=False)
     _check_model(where, md, mine, model)
     if optimizer is not None and any(k.startswith("optim/") for k in md):
@@ -260,7 +316,7 @@ def load(path: str, model, optimizer=None) -> dict:
     state = {f"model/{k}": torch.empty_like(v.detach()) for k, v in mine.items()}
     state["meta/step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # host metadata
     state["meta/data_position"] = torch.zeros((), dtype=torch.int64, device="cpu")
-    dcp.load(state, checkpoint_id=where)
+    _dcp("loading", where, lambda: dcp.load(state, checkpoint_id=where))
     with torch.no_grad():
         for k, v in mine.items():
             v.copy_(state[f"model/{k}"])
@@ -268,7 +324,7 @@ def load(path: str, model, optimizer=None) -> dict:
         # a checkpoint saved before the optimizer's first step has no state: the optimizer starts
         # afresh from the loaded parameters. Otherwise its state is read for this rank's layout,
         # now if the layout is known (the first backward is compiled), else when the optimizer
-        # builds its pieces at its first step
+        # builds its pieces at its first step (its files were verified above)
         optimizer.restore_from = (where, md) if any(k.startswith("optim/") for k in md) else None
         optimizer.optimizer = None
         sync = find_sync(model)
@@ -277,11 +333,53 @@ def load(path: str, model, optimizer=None) -> dict:
     return {"step": int(state["meta/step"]), "data_position": int(state["meta/data_position"]), "path": where}
 
 
+def _verify_files(where: str) -> None:
+    """Every file the manifest lists has the size and crc32 it was saved with. The ranks share the
+    reading (file i is read by rank i mod world) and then every rank knows every problem, so all
+    raise the same CheckpointError. Collective when a process group runs: every rank calls load."""
+    sums = read_manifest(where)  # small; every rank reads it and fails alike if it is damaged
+    names = sorted(sums)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = [p for n in names[rank::world] for p in [damage(where, n, sums[n])] if p]
+    if world > 1:
+        got = [None] * world
+        dist.all_gather_object(got, problems)
+        problems = [p for g in got for p in g]
+    if problems:
+        raise damaged(where, sorted(problems))
+
+
+def _read_metadata(where: str):
+    """DCP's metadata of the checkpoint (which records lie where)."""
+    return _dcp("reading .metadata of", where, lambda: dcp.FileSystemReader(where).read_metadata())
+
+
+def _check_records(where: str, metadata) -> None:
+    """Every record .metadata places lies inside its file: truncation is found now, not when a record
+    is read (the optimizer's, at the first step). Sizes only: cheap, and needs no manifest."""
+    ends: dict[str, tuple[int, str]] = {}
+    for index, info in metadata.storage_data.items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    problems = []
+    for name, (end, fqn) in sorted(ends.items()):
+        try:
+            size = os.path.getsize(os.path.join(where, name))
+        except OSError as e:
+            problems.append(f"{name} cannot be read ({e.strerror or e})")
+            continue
+        if size < end:
+            problems.append(f"{name} is {size} bytes, but its record {fqn} ends at byte {end} (truncated)")
+    if problems:
+        raise damaged(where, problems)
+
+
 def _read_bytes(where, md, key) -> str | None:
     if key not in md:
         return None
     t = torch.zeros(md[key].size, dtype=torch.uint8, device="cpu")
-    dcp.load({key: t}, checkpoint_id=where, no_dist=True)
+    _dcp("loading", where, lambda: dcp.load({key: t}, checkpoint_id=where, no_dist=True))
     return _decode(t)
 
 
@@ -347,7 +445,7 @@ def restore_into(optimizer, sync, where: str, md) -> None:
                 m = md[f"optim/{key}/{state}"]
                 request[f"optim/{key}/{state}"] = torch.zeros(m.size, dtype=m.properties.dtype, device=p.device)
     with _pieces_api():
-        dcp.load(request, checkpoint_id=where)
+        _dcp("loading the optimizer's state from", where, lambda: dcp.load(request, checkpoint_id=where))
     got = {k: (_local_pieces(v) if hasattr(v, "local_shards") else v) for k, v in request.items()}
     with torch.no_grad():
         if plan.shard:

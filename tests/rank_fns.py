@@ -310,3 +310,28 @@ def save_right_after_load(rank, world, path, to):
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     gradsched.load(path, model, opt)
     return _message(lambda: gradsched.save(to, model, opt, step=2))
+
+
+def damaged_load_messages(rank, world, cases, step_after_ok: bool = True):
+    """What gradsched.load says of each (checkpoint path, TinyGPT vocabulary, verify), with whether a
+    refused load left the parameters as they were; after a load that succeeds, one step (the
+    optimizer's state is read then)."""
+    from tiny_gpt import GPTConfig
+    plan = gradsched.ParallelPlan.from_world()
+    out = []
+    for path, vocab, verify in cases:
+        torch.manual_seed(1)
+        model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=vocab)), plan=plan, loss_fn=lm_loss, compiler="eager")
+        opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        try:
+            meta = gradsched.load(path, model, opt, verify=verify)
+        except gradsched.CheckpointError as e:
+            out.append({"error": str(e), "untouched": all(p.equal(before[n]) for n, p in model.named_parameters())})
+            continue
+        if step_after_ok:
+            x, y = make_batch(4, GPTConfig(vocab=vocab))
+            model.train_step(x[rank * 2:rank * 2 + 2], y[rank * 2:rank * 2 + 2])
+            opt.step()
+        out.append({"ok": meta})
+    return out
