@@ -8,6 +8,8 @@ Several nodes: the same command on each node with torchrun's rendezvous instead 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m gradsched.train ...
 Resume: add --resume ckpt (the newest complete checkpoint there) or --resume ckpt/step-00000200. The
 checkpoint does not depend on the layout: --pp/--cp and the world size may change.
+One node without torchrun: python -m gradsched.train --nproc-per-node 8 ... starts the processes itself
+(and without --nproc-per-node, one process).
 
 The model comes from a config: a built-in name (BUILTIN), or a local directory or JSON file of a
 Hugging Face config (a directory that also holds weights starts from them). The data is a flat
@@ -16,6 +18,9 @@ step reads the next `batch` windows of seq + 1 tokens, so the data position is t
 --data, a built-in synthetic stream (a fixed random affine recurrence per sequence) that a model can learn.
 dp is what is left of the world after pp x cp. The rank that holds the loss (the last stage's
 first rank) shows progress and writes the metrics, one JSON object per step.
+
+A mistake of the user's (the plan, the data, the model, the checkpoint) ends the run with one line
+from rank 0 on stderr and exit code 2, no traceback (--debug keeps the tracebacks).
 """
 from __future__ import annotations
 
@@ -23,8 +28,11 @@ import argparse
 import json
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -42,6 +50,14 @@ BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embe
 }
 
 
+class Mistake(ValueError):
+    """A mistake in the command line or its files that the user can fix: one line, exit code 2."""
+
+
+def rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 # ---- the model ------------------------------------------------------------------------------
 
 def build_model(spec: str, seed: int):
@@ -57,12 +73,12 @@ def build_model(spec: str, seed: int):
     elif path.is_file():
         d = json.loads(path.read_text())
         if "model_type" not in d:
-            raise SystemExit(f"--model {spec}: a config JSON needs its 'model_type' (e.g. \"llama\").")
+            raise Mistake(f"--model {spec}: a config JSON needs its 'model_type' (e.g. \"llama\").")
         config = transformers.AutoConfig.for_model(**d)
     elif path.is_dir():
         config = transformers.AutoConfig.from_pretrained(path)
     else:
-        raise SystemExit(f"--model {spec!r}: not a built-in ({', '.join(BUILTIN)}), a config JSON file or a "
+        raise Mistake(f"--model {spec!r}: not a built-in ({', '.join(BUILTIN)}), a config JSON file or a "
                          "directory holding config.json.")
     config._attn_implementation = "sdpa"
     has_weights = path.is_dir() and (any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").exists())
@@ -79,10 +95,10 @@ def split_points(model: torch.nn.Module, layers: int, pp: int) -> list[str]:
     if pp == 1:
         return []
     if layers < pp:
-        raise SystemExit(f"--pp {pp} needs at least {pp} decoder layers; the model has {layers}.")
+        raise Mistake(f"--pp {pp} needs at least {pp} decoder layers; the model has {layers}.")
     stacks = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
     if not stacks:
-        raise SystemExit("cannot find the model's decoder layers (a ModuleList of num_hidden_layers modules) "
+        raise Mistake("cannot find the model's decoder layers (a ModuleList of num_hidden_layers modules) "
                          "to split it into pipeline stages: train it with --pp 1.")
     return [f"{stacks[0]}.{k * layers // pp}" for k in range(1, pp)]
 
@@ -94,18 +110,20 @@ def next_token_loss(logits, targets):
 # ---- the data -------------------------------------------------------------------------------
 
 class TokenFile:
-    """A flat binary file of token ids, read as consecutive windows of seq + 1 tokens."""
+    """A flat binary file of token ids, read as consecutive windows of seq + 1 tokens. Refused unless
+    it holds one global batch of windows, each token inside the vocabulary."""
 
-    def __init__(self, path: str, ids: str, seq: int, vocab: int):
-        import numpy as np
-        self.tokens = np.memmap(path, dtype={"uint16": np.uint16, "uint32": np.uint32}[ids], mode="r")
+    def __init__(self, path: str, ids: str, seq: int, vocab: int, batch: int):
+        self.tokens = _token_ids(path, ids)
         self.seq, self.windows = seq, (len(self.tokens) - 1) // seq
-        if self.windows < 1:
-            raise SystemExit(f"--data {path}: {len(self.tokens)} tokens, fewer than one window of --seq {seq} + 1.")
+        if self.windows < batch:  # a step would read the same window twice
+            raise Mistake(f"--data {path}: {len(self.tokens)} tokens make {self.windows} windows of --seq {seq} + 1, "
+                          f"fewer than one global batch of --batch {batch}: give more data, or a smaller --batch "
+                          "or --seq.")
         top = int(self.tokens.max())
         if top >= vocab:
-            raise SystemExit(f"--data {path} holds token id {top}, but the model's vocabulary has {vocab}: check "
-                             "--ids (uint16 or uint32) and the model.")
+            raise Mistake(f"--data {path} holds token id {top}, but the model's vocabulary has {vocab}: check "
+                          "--ids (uint16 or uint32) and the model.")
 
     def batch(self, step: int, size: int):
         """Windows step*size .. step*size + size - 1 (wrapping around the file): (inputs, next tokens)."""
@@ -115,6 +133,19 @@ class TokenFile:
             rows.append(torch.from_numpy(self.tokens[at:at + self.seq + 1].astype("int64")))
         w = torch.stack(rows)
         return w[:, :-1], w[:, 1:]
+
+
+def _token_ids(path: str, ids: str):
+    """The file's token ids, mapped (not read); a missing, empty or ragged file is a Mistake."""
+    import numpy as np
+    dtype = {"uint16": np.uint16, "uint32": np.uint32}[ids]
+    if not os.path.isfile(path):
+        raise Mistake(f"--data {path}: no such file.")
+    size = os.path.getsize(path)
+    if size == 0 or size % np.dtype(dtype).itemsize:
+        raise Mistake(f"--data {path}: {size} bytes, not a whole, non-zero number of {ids} token ids: check the "
+                      "file and --ids.")
+    return np.memmap(path, dtype=dtype, mode="r")
 
 
 class Synthetic:
@@ -148,7 +179,7 @@ def lr_scale(step: int, warmup: int, total: int, min_ratio: float) -> float:
 
 
 class Progress:
-    """One line per step on a terminal (rewritten in place), every `every` steps in a log."""
+    """A line per step: rewritten in place on a terminal, else one every `every` steps (and the last)."""
 
     def __init__(self, total: int, every: int, out=sys.stdout):
         self.total, self.every, self.out, self.tty = total, every, out, out.isatty()
@@ -165,48 +196,125 @@ class Progress:
         self.out.flush()
 
 
+def open_metrics(path: str, start: int):
+    """The metrics file to append rows to. A run from step 0 starts it anew; a resumed run keeps the
+    rows of the steps before its start (the run it resumes) and drops the later ones, which it redoes."""
+    kept = []
+    if start > 0 and os.path.isfile(path):
+        with open(path) as f:
+            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start]
+    f = open(path, "w")
+    f.writelines(kept)
+    f.flush()
+    return f
+
+
 # ---- the run --------------------------------------------------------------------------------
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose usage errors rank 0 alone prints (every rank parses the same command line)."""
+
+    def error(self, message):
+        if rank0():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def parse(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m gradsched.train", description=__doc__.split("\n\n")[0])
+    ap = _Parser(prog="python -m gradsched.train", description=__doc__.split("\n\n")[0],
+                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--model", default="llama-tiny", help=f"built-in ({', '.join(BUILTIN)}), config JSON or directory")
     ap.add_argument("--data", help="flat binary file of token ids; without it, a built-in synthetic stream")
-    ap.add_argument("--ids", default="uint16", choices=("uint16", "uint32"))
-    ap.add_argument("--pp", type=int, default=1)
-    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--ids", default="uint16", choices=("uint16", "uint32"), help="the token ids' type in --data")
+    ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (dp is the rest of the world)")
     ap.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
-    ap.add_argument("--microbatches", type=int, default=1)
-    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--microbatches", type=int, default=1, help="per step, per data-parallel rank")
+    ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
-    ap.add_argument("--lr", type=float, default=3e-4)
-    ap.add_argument("--min-lr-ratio", type=float, default=0.1)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
+    ap.add_argument("--min-lr-ratio", type=float, default=0.1, help="the cosine decay's end, as a fraction of --lr")
+    ap.add_argument("--warmup", type=int, default=10, help="steps of linear warmup")
     ap.add_argument("--weight-decay", type=float, default=0.1, help="on matrices; biases and norms are decay-free")
     ap.add_argument("--clip", type=float, default=1.0, help="global gradient norm; 0: no clipping")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters and compute")
+    ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"), help="torch.compile backend")
     ap.add_argument("--ckpt", help="checkpoint directory (gradsched.save)")
-    ap.add_argument("--save-every", type=int, default=0)
+    ap.add_argument("--save-every", type=int, default=0, help="steps between checkpoints; 0: at the end only")
     ap.add_argument("--resume", help="a checkpoint directory (its newest) or one checkpoint")
-    ap.add_argument("--metrics", help="JSON lines, one per step")
-    ap.add_argument("--log-every", type=int, default=10, help="progress lines when not on a terminal")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--metrics", help="JSON lines, one per step; a run from step 0 starts the file anew, a "
+                                      "resumed run keeps the rows before its start")
+    ap.add_argument("--log-every", type=int, default=1, help="steps between progress lines when not on a terminal")
+    ap.add_argument("--seed", type=int, default=0, help="model initialisation and synthetic data")
+    ap.add_argument("--nproc-per-node", type=int, default=1,
+                    help="without torchrun: start this many processes on this machine")
+    ap.add_argument("--debug", action="store_true", help="tracebacks for mistakes too, on every rank")
     args = ap.parse_args(argv)
     if args.save_every and not args.ckpt:
         ap.error("--save-every needs --ckpt")
+    for name in ("steps", "batch", "seq", "microbatches", "log_every", "nproc_per_node"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
 
 
+def quiet_libraries() -> None:
+    """Silence, once per process, the warnings of libraries that say nothing a user of this entry point can act
+    on: pipelining's pytree FutureWarning (raised while it sends stage metadata, on every rank)."""
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                            category=FutureWarning)
+
+
+def warn(message: str) -> None:
+    if rank0():
+        print(f"gradsched.train: warning: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv=None) -> int:
+    """Run the command line; returns the exit code: 0, or 2 after one line naming a user's mistake."""
     import gradsched
     args = parse(argv)
+    if "RANK" not in os.environ and args.nproc_per_node > 1:
+        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
+    if "RANK" not in os.environ:  # one process, no launcher: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    quiet_libraries()
+    try:
+        return train(args)
+    except (Mistake, gradsched.PlanError, gradsched.CheckpointError) as e:
+        if args.debug:
+            raise
+        return refuse(e)
+
+
+def refuse(e: Exception) -> int:
+    """One line on rank 0 (every rank found the same mistake: each decides from the same command line,
+    files and checkpoint), then exit code 2 on every rank."""
+    if rank0():
+        print(f"gradsched.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return 2
+
+
+def train(args) -> int:
+    import gradsched
+    from gradsched.checkpoint import checkpoint_dir
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.warmup > args.steps:
+        warn(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate never "
+             f"reaches --lr {args.lr:g} (it peaks at {args.lr * args.steps / args.warmup:.3g}).")
+    # the checkpoint's state (none, partial, foreign...) and the data file: said before anything is built
+    resume_from = checkpoint_dir(args.resume) if args.resume else None
     plan = gradsched.ParallelPlan.from_world(pp=args.pp, cp=args.cp)
     if args.batch % (plan.dp * args.microbatches):
-        raise SystemExit(f"--batch {args.batch} must divide into dp={plan.dp} x --microbatches {args.microbatches}.")
+        raise Mistake(f"--batch {args.batch} must divide into dp={plan.dp} x --microbatches {args.microbatches}.")
     model, layers = build_model(args.model, args.seed)
     vocab = model.model.config.vocab_size
-    data = TokenFile(args.data, args.ids, args.seq, vocab) if args.data else Synthetic(args.seq, vocab, args.seed)
+    data = (TokenFile(args.data, args.ids, args.seq, vocab, args.batch) if args.data
+            else Synthetic(args.seq, vocab, args.seed))
     # from_world has set this process's GPU from LOCAL_RANK under NCCL
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
@@ -216,14 +324,11 @@ def main(argv=None) -> int:
                                   **({"reduce_dtype": torch.float32} if args.dtype == "bfloat16" else {}))
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
-    try:
-        start = gradsched.load(args.resume, model, opt)["data_position"] if args.resume else 0
-    except gradsched.CheckpointError as e:
-        raise SystemExit(f"--resume: {e}") from None
+    start = gradsched.load(resume_from, model, opt)["data_position"] if resume_from else 0
     _, dp_idx, cp_idx = plan.coords()
     reporter = plan.stage == args.pp - 1 and dp_idx == 0 and cp_idx == 0
     progress = Progress(args.steps, args.log_every) if reporter else None
-    metrics = open(args.metrics, "a") if reporter and args.metrics else None
+    metrics = open_metrics(args.metrics, start) if reporter and args.metrics else None
     per = args.batch // plan.dp
     if reporter:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
@@ -253,6 +358,50 @@ def main(argv=None) -> int:
         metrics.close()
     torch.distributed.destroy_process_group()
     return 0
+
+
+# ---- one node without torchrun ---------------------------------------------------------------
+
+def _free_port() -> int:
+    from gradsched.launch import free_port
+    return free_port()
+
+
+def launch(nproc: int, argv: list[str]) -> int:
+    """Start this command on `nproc` local processes (torchrun's variables, one thread each unless
+    OMP_NUM_THREADS says otherwise) and wait for them. When one fails, the others are stopped, and the
+    exit code is the first failure's: 2 for a mistake, which rank 0 has named in one line."""
+    env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [subprocess.Popen([sys.executable, "-m", "gradsched.train", *argv],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    try:
+        return _wait_all(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _wait_all(procs, grace_s: float = 5.0) -> int:
+    """0 when every process ends well; else the first failure's exit code. After a failure the others
+    get `grace_s` to end by themselves (ranks finding the same mistake end with it, and rank 0 says
+    it), then are stopped."""
+    first, deadline = None, None
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and first is None:
+            first, deadline = failed[0], time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = None
+        time.sleep(0.1)
+    if first is None:
+        first = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return first if first > 0 else 1 if first else 0
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""`torchrun -m gradsched.train`: an HF causal LM from a token file, with save, and resume at another layout."""
+"""`torchrun -m gradsched.train`: an HF causal LM from a token file, with save, and resume at another layout;
+a user's mistakes end in one line and exit code 2."""
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -9,11 +11,12 @@ import numpy as np
 import pytest
 
 
-def torchrun(*args, timeout=300):
-    """Run gradsched.train on 4 CPU processes; every process is gone when this returns."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           "-m", "gradsched.train", "--model", "llama-tiny", "--batch", "8", "--microbatches", "2", "--seq", "32",
-           "--compiler", "eager", "--log-every", "1", *args]
+TRAIN = ["-m", "gradsched.train", "--model", "llama-tiny", "--batch", "8", "--microbatches", "2", "--seq", "32",
+         "--compiler", "eager"]
+
+
+def run(cmd, timeout=300):
+    """(exit code, stdout and stderr) of a command; every process it started is gone when this returns."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
@@ -22,7 +25,14 @@ def torchrun(*args, timeout=300):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert proc.returncode == 0, out[-3000:]
+    return proc.returncode, out
+
+
+def torchrun(*args, timeout=300):
+    """Run gradsched.train on 4 CPU processes under torchrun."""
+    code, out = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+                     *TRAIN, *args], timeout)
+    assert code == 0, out[-3000:]
     return out
 
 
@@ -39,19 +49,88 @@ def token_file(tmp_path_factory):
 
 
 def test_a_run_saved_mid_way_resumes_at_another_layout_with_the_same_losses(token_file, tmp_path):
+    (tmp_path / "first.jsonl").write_text('{"step": 9, "loss": 1.0}\n')  # an older run's: started anew
     out = torchrun("--data", str(token_file), "--pp", "2", "--steps", "4", "--save-every", "2",
                    "--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "first.jsonl"))
-    assert "step 4/4" in out and "tok/s" in out and "pp=2 dp=2" in out
+    assert "pp=2 dp=2" in out and all(f"step {s}/4 [" in out for s in (1, 2, 3, 4))  # a progress line per step
+    assert out.count("--warmup 10 is longer than the run (--steps 4)") == 1  # the default warmup, said once
+    assert "Warning" not in out and "Traceback" not in out  # pipelining's FutureWarning silenced
     first = metrics(tmp_path / "first.jsonl")
     assert [r["step"] for r in first] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 and r["tokens_per_s"] > 0 for r in first)
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000002", "step-00000004"]
 
+    shutil.copy(tmp_path / "first.jsonl", tmp_path / "resumed.jsonl")  # resuming at step 2 keeps steps 1, 2
     out = torchrun("--data", str(token_file), "--pp", "1", "--steps", "4", "--resume",
                    str(tmp_path / "ckpt" / "step-00000002"), "--metrics", str(tmp_path / "resumed.jsonl"))
     assert "pp=1 dp=4" in out and "steps 3..4" in out
     resumed = metrics(tmp_path / "resumed.jsonl")
-    assert [r["step"] for r in resumed] == [3, 4]
-    for got, want in zip(resumed, first[2:]):
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == first[:2]
+    for got, want in zip(resumed[2:], first[2:]):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-5)
         assert got["lr"] == want["lr"]
+
+
+# ---- mistakes: one line from rank 0, exit code 2, no traceback ----------------------------------
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """main() in this process, as rank 0 of a world of one (the environment restored afterwards)."""
+    from gradsched.launch import free_port
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+
+
+def said(capsys, *args) -> tuple[int, list[str]]:
+    """(exit code, lines on stdout and stderr) of gradsched.train's main on these arguments."""
+    from gradsched.train import main
+    code = main([*TRAIN[2:], *args])
+    out = capsys.readouterr()
+    return code, (out.out + out.err).splitlines()
+
+
+def test_each_mistake_is_one_line_and_exit_code_2(one_process, capsys, token_file, tmp_path):
+    short = tmp_path / "short.bin"
+    np.arange(8 * 16, dtype=np.uint16).tofile(short)  # 7 windows of 16 + 1 tokens: fewer than --batch 8
+    (tmp_path / "empty").mkdir()
+    cases = {  # arguments -> what the one line says
+        ("--data", str(tmp_path / "nope.bin")): f"--data {tmp_path / 'nope.bin'}: no such file.",
+        ("--data", str(short), "--seq", "16"): "7 windows of --seq 16 + 1, fewer than one global batch of --batch 8",
+        ("--pp", "3"): "pp=3 x cp=1 does not divide the world size 1",
+        ("--model", "no-such-model"): "--model 'no-such-model': not a built-in",
+        ("--resume", str(tmp_path / "empty")): "is empty: no checkpoint was saved there yet",
+        ("--resume", str(tmp_path / "nothing")): "there is nothing at that path",
+    }
+    for args, message in cases.items():
+        code, lines = said(capsys, "--steps", "20", *args)
+        assert code == 2, args
+        assert len(lines) == 1 and lines[0].startswith("gradsched.train: error: ") and message in lines[0], lines
+
+
+def test_debug_keeps_the_traceback(one_process, tmp_path):
+    from gradsched.train import Mistake, main
+    with pytest.raises(Mistake, match="no such file"):
+        main([*TRAIN[2:], "--data", str(tmp_path / "nope.bin"), "--debug"])
+
+
+def test_help_shows_every_default(capsys):
+    from gradsched.train import main
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: llama-tiny)", "--warmup WARMUP steps of linear warmup (default: 10)",
+                    "--warmup (default: 0.0003)", "not on a terminal (default: 1)", "--batch BATCH global batch, "
+                    "in sequences (default: 8)"):
+        assert default in out, default
+
+
+def test_a_mistake_on_several_processes_is_said_once(tmp_path):
+    """The issue's `--pp 3` on more processes than one: rank 0 alone says it, in one line."""
+    code, out = run([sys.executable, *TRAIN, "--nproc-per-node", "2", "--pp", "3"], timeout=120)
+    assert code == 2
+    assert out.strip().splitlines() == [
+        "gradsched.train: error: pp=3 x cp=1 does not divide the world size 2: start a multiple of 3 processes, "
+        "or change pp/cp."]
