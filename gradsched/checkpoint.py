@@ -2,7 +2,7 @@
 
     gradsched.save("ckpt", model, optimizer, step=step, data_position=batches_seen)
     meta = gradsched.load("ckpt", model, optimizer)   # before or after the first step
-    meta["step"], meta["data_position"]
+    meta["step"], meta["data_position"], meta["path"]   # path: the step-<N> directory read
 
 What is saved, by the parameter's name in the unsplit model (a tied weight under its first
 name, written by the first stage of its tie):
