@@ -261,9 +261,12 @@ def parse(argv=None):
 
 def quiet_libraries() -> None:
     """Silence, once per process, the warnings of libraries that say nothing a user of this entry point can act
-    on: pipelining's pytree FutureWarning (raised while it sends stage metadata, on every rank)."""
+    on: pipelining's pytree FutureWarning (raised while it sends stage metadata, on every rank), and DCP's
+    note that a one-process run (no process group) loads in one process."""
     warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
                             category=FutureWarning)
+    warnings.filterwarnings("ignore", message=r"torch.distributed is disabled, unavailable or uninitialized",
+                            category=UserWarning)
 
 
 def warn(message: str) -> None:
