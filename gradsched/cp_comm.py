@@ -84,6 +84,7 @@ def resolve_comm(comm: str, a2a_degree: int | None, *, call: str, q_heads: int, 
         return CommChoice("a2a", cp, "asked for")
     # hybrid
     if a2a_degree is None:
+        _check_cp_for_hybrid(call, cp)
         inner = [a for a in _degrees(q_heads, kv_heads, cp) if a < cp]
         if not inner:
             raise unsupported(call, f"comm='hybrid' at cp={cp} needs an all-to-all degree a with 1 < a < {cp} "
@@ -96,6 +97,17 @@ def resolve_comm(comm: str, a2a_degree: int | None, *, call: str, q_heads: int, 
                           f"Choose a divisor of {cp} (the all-to-all group size; the ring runs over the rest).")
     _check_degree(call, "comm='hybrid'", f"a2a_degree={a2a_degree}", q_heads, kv_heads, cp, a2a_degree)
     return CommChoice("hybrid", a2a_degree, "asked for")
+
+
+def _check_cp_for_hybrid(call: str, cp: int) -> None:
+    """Hybrid is an all-to-all over a ranks times a ring over cp / a groups, both of more than one rank: it
+    needs a divisor a of cp with 1 < a < cp, which a prime cp (2, 3, 5, ...) does not have, whatever the heads."""
+    if not any(cp % a == 0 for a in range(2, cp)):
+        raise unsupported(call, f"comm='hybrid' at cp={cp} runs an all-to-all over a2a_degree ranks and a ring over "
+                          f"cp / a2a_degree groups, so it needs an a2a_degree strictly between 1 and cp that divides "
+                          f"cp, and cp={cp} has none (hybrid needs a cp such as 4, 6, 8 or 9)",
+                          f"Use comm='ring' (any head count) or comm='a2a' (all-to-all over all {cp} ranks, if the "
+                          "heads split over them), or comm='auto' to let each call pick.")
 
 
 def _check_degree(call: str, what: str, size: str, q_heads: int, kv_heads: int, cp: int, a: int) -> None:

@@ -45,6 +45,9 @@ def _layer_features(module) -> list[str]:
         out.append(f"attention logit soft-capping at {softcap}")
     if getattr(module, "sinks", None) is not None:
         out.append("attention sinks")
+    dropout = _attention_dropout(module)
+    if dropout:
+        out.append(f"attention dropout {dropout} (the config's attention_dropout, attn_pdrop in GPT-2: set it to 0.0)")
     if getattr(module, "is_causal", True) is False:
         out.append("bidirectional attention (is_causal=False)")
     layer_types = getattr(module.config, "layer_types", None)
@@ -52,6 +55,18 @@ def _layer_features(module) -> list[str]:
             layer_types[module.layer_idx] not in ("full_attention", "sliding_attention"):
         out.append(f"'{layer_types[module.layer_idx]}' attention (config.layer_types)")
     return out
+
+
+def _attention_dropout(module) -> float:
+    """The dropout on attention weights this layer trains with: its `attention_dropout` (a float in Llama and
+    most HF models, copied from the config), else its config's, else GPT-2's `attn_dropout` module. HF hands
+    it to the attention function only in training mode; checked here, it is refused before any step."""
+    p = getattr(module, "attention_dropout", None)
+    if p is None:
+        p = getattr(module.config, "attention_dropout", None)
+    if p is None:
+        p = getattr(module, "attn_dropout", None)
+    return float(p.p if isinstance(p, nn.Dropout) else p or 0.0)
 
 
 def _mask_arguments(*args, attention_mask=None, **kwargs):

@@ -103,4 +103,22 @@ def attention_report(reports) -> str:
                 steps = ring_steps(rep.cp, c.local_len, c.causal, c.load_balance, c.window, c.comm, c.a2a_degree)
                 line += f", ring steps {steps} of {rep.cp // (c.a2a_degree if c.comm == 'hybrid' else 1)}"
             out.append(line + (f" -- {c.why}" if c.why else ""))
+            out.append(f"       masks: {applied_masks(c)}")
     return "\n" + "\n".join(out) if out else ""
+
+
+def applied_masks(call) -> str:
+    """Every mask a lowered call (passes.context_parallel.LoweredAttention) applies, as the ring applies it:
+    causal, its window, documents (explicit seq_idx, else position ids that restart: gradsched.masks.attention
+    reads positions as documents only without seq_idx) and padding; 'none' for full attention."""
+    given = call.masks
+    masks = ["causal"] if call.causal else []
+    if call.window is not None:
+        masks.append(f"window {call.window}")
+    if "seq_idx" in given:
+        masks.append("documents (seq_idx)")
+    elif "position_ids" in given:
+        masks.append("documents (where position ids restart)")
+    if "key_padding" in given:
+        masks.append("padding (attention_mask)")
+    return ", ".join(masks) or "none"

@@ -140,6 +140,7 @@ class LoweredAttention:
     local_len: int | None = None  # one rank's slice of the sequence
     load_balance: bool | str = True  # "documents": the document-balanced layout (gradsched.cp_layout)
     inside: str = ""  # the higher-order op whose body it was lowered in ("activation checkpoint"), or ""
+    masks: tuple[str, ...] = ()  # the per-token mask arguments it passes (position_ids, key_padding, seq_idx)
 
 
 @dataclass
@@ -294,7 +295,8 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
     graph.erase_node(node)
     return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
                             getattr(choice, "a2a", 1), getattr(choice, "why", ""), window, local_len,
-                            "documents" if documents else load_balance, inside)
+                            "documents" if documents else load_balance, inside,
+                            tuple(m for m in form.masks if m != "window" and args.get(m) is not None))
 
 
 def _bind(node: fx.Node, form: AttentionForm) -> dict:
