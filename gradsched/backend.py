@@ -57,12 +57,14 @@ def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
     from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
     # whatever the lowering walked or not: any attention call left, at any depth, is refused
     left = report.left_local + [a for a in attention_left(gm) if not any(a in w for w in report.left_local)]
-    local = left + hand_written_attention(gm) + unlowered_sequence_mixing(gm, _local_sequence_length(example_inputs))
+    seq_len = _local_sequence_length(example_inputs)
+    local = left + hand_written_attention(gm, seq_len) + unlowered_sequence_mixing(gm, seq_len)
     if local:
         raise NotImplementedError(
             f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "
             f"slice of the sequence it would be silently wrong: {'; '.join(local)}. Express it with "
-            "torch.nn.functional.scaled_dot_product_attention, or train this model with cp=1.")
+            "torch.nn.functional.scaled_dot_product_attention (a Hugging Face model: attn_implementation='sdpa', "
+            "or gradsched.hf.CausalLM), or train this model with cp=1.")
     return report
 
 
