@@ -114,7 +114,11 @@ def build_model(job: Job):
     c = job.config
     model, split_points = MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
     if job.checkpointing:
-        model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(job.checkpointing))
+        kw = checkpoint_kwargs(job.checkpointing)
+        if hasattr(model.model, "activation_checkpointing_enable"):  # transformers >= 5.24's name
+            model.model.activation_checkpointing_enable(activation_checkpointing_kwargs=kw)
+        else:
+            model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
     return model, split_points
 
 

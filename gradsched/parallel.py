@@ -83,6 +83,23 @@ def _checkpointed_calls():
         ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = reentrant, generator
 
 
+def hf_checkpointed_layers(model: nn.Module) -> list:
+    """(layer, checkpoint arguments) for each Hugging Face layer that checkpoints itself (a
+    GradientCheckpointingLayer whose flag gradient_checkpointing_enable / activation_checkpointing_enable
+    set). transformers >= 5.24 checkpoints only in grad mode, so the trace, run under no_grad, sees no call."""
+    import torch.utils.checkpoint as ckpt
+    found = []
+    for m in model.modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) is True and isinstance(func, functools.partial) and \
+                "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}:
+            kw = {k: v for k, v in func.keywords.items() if k in ("use_reentrant", "context_fn")}
+            if kw.get("context_fn") is ckpt.noop_context_fn:
+                del kw["context_fn"]
+            found.append((m, kw))
+    return found
+
+
 def _module_called(function) -> nn.Module | None:
     """The module whose forward a checkpointed function is: the module itself (checkpoint(block, x)), the
     owner of a bound method, or, through partials, a class's forward given its module first (HF's layers
@@ -238,7 +255,7 @@ class ParallelModel:
         for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
         stage_module = pipe.get_stage_module(self.plan.stage)
-        lost = checkpoint_stage_modules(stage_module, self.model, checkpointed)
+        lost = checkpoint_stage_modules(stage_module, self.model, checkpointed + hf_checkpointed_layers(self.model))
         if lost:
             _warn_checkpointing_dropped(len(lost), self.plan.pp)
         self._build(ties, stage_module)
