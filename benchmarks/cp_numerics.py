@@ -28,7 +28,7 @@ single-process run are computed once, in this process, before the ranks start; e
 rank builds the inputs itself from the seed.
 
 --mask window|document|padding (cpu only) measures the masked ring instead, simulated in this
-process by gradsched.ring_simulation.simulate_ring (every rank in turn, bit for bit the ring with
+process by gradsched.cp.ring_simulation.simulate_ring (every rank in turn, bit for bit the ring with
 comm="ring"; modes fp32, input, fp32_blocks, fp32+fast_schedule, torch's ring takes no masks).
 Masks are sized from --seq: a causal window of seq // 8 tokens (--window), five packed documents of
 pseudo-random lengths from the seed (position ids restarting at 0), or padded keys (even batch rows
@@ -41,7 +41,7 @@ there, 0 expected), and add floor_mean_abs_err, the error of rounding the fp64 a
 --dtype (the rounding floor), with ratio_to_floor. Targets (the masking issue's): fp32
 ratio_to_single <= 1.0, fp32_blocks ratio_to_floor <= 1.02, per tensor: each such row gets
 meets_target. Masked rows are appended to the results file; every row has "mask" (null: none).
-Document rows report the attention work per rank (visible query-key pairs, gradsched.cp_balance) and
+Document rows report the attention work per rank (visible query-key pairs, gradsched.cp.balance) and
 its imbalance (busiest over mean) in both layouts: the head-tail one and load_balance="documents"
 (each document cut into pieces over all ranks); --load-balance documents runs the numerics in the
 latter (the sequence reordered, the documents handed over as seq_idx, results put back in order).
@@ -57,9 +57,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import shard, unshard
+from gradsched.cp.layout import shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import ACCUMULATE_MODES, ring_attention
+from gradsched.cp.ring_attention import ACCUMULATE_MODES, ring_attention
 from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
 
 FAST = "fp32+fast_schedule"  # accumulate="fp32", fewest_roundings=False: no masked calls, more bf16 roundings
@@ -189,7 +189,7 @@ def simulated_on_cuda(q, k, v, dout, cfg: dict, cp: int) -> dict:
     turn: the ring's blocks, merges and sums). "+aten" keeps the aten kernels (flash for the
     fp32 merge; fp32 operands through the memory-efficient kernel for fp32_blocks) where the
     plain modes run the Triton kernel."""
-    from gradsched.ring_simulation import simulate_ring
+    from gradsched.cp.ring_simulation import simulate_ring
 
     results = {}
     for mode in cfg["modes"]:
@@ -208,12 +208,12 @@ def simulated_on_cuda(q, k, v, dout, cfg: dict, cp: int) -> dict:
 def simulated_masked(q, k, v, dout, cfg: dict, cp: int, masks: dict) -> dict:
     """{mode: ((out, dq, dk, dv), seconds)} of the masked ring simulated in this process, every
     rank in turn (seconds: all ranks together). Under load_balance="documents" the sequence is
-    reordered first (gradsched.cp_layout.document_order) and the results put back."""
-    from gradsched.ring_simulation import simulate_ring
+    reordered first (gradsched.cp.layout.document_order) and the results put back."""
+    from gradsched.cp.ring_simulation import simulate_ring
 
     back = None
     if cfg.get("load_balance") == "documents":
-        from gradsched.cp_layout import document_order
+        from gradsched.cp.layout import document_order
         from gradsched.masks import document_ids
         order = document_order(masks["position_ids"], cp)[0]
         q, k, v, dout = (x.index_select(2, order) for x in (q, k, v, dout))
@@ -234,7 +234,7 @@ def simulated_masked(q, k, v, dout, cfg: dict, cp: int, masks: dict) -> dict:
 
 def torch_ring_attention(q, k, v, dout, causal: bool, group=None):
     """(out, dq, dk, dv) of torch's ring attention on this rank's shards (head-tail layout,
-    which is gradsched.cp_layout's balanced layout), with the CPU flash op.
+    which is gradsched.cp.layout's balanced layout), with the CPU flash op.
 
     Torch's default options; its load balancing is switched off for non-causal
     attention only, where it refuses to run (and where the layout does not matter).
@@ -351,8 +351,8 @@ def main(argv=None) -> list[dict]:
                dtype=a.dtype, causal=a.causal, comm=a.comm, seed=a.seed, modes=a.modes.split(","),
                mask=a.mask, window=a.window, load_balance=a.load_balance)
     masks, mask_detail = mask_args(cfg) if a.mask else ({}, {})
-    if a.mask == "document":  # both layouts' work per rank with these documents (gradsched.cp_balance)
-        from gradsched.cp_balance import imbalance, pairs_per_rank
+    if a.mask == "document":  # both layouts' work per rank with these documents (gradsched.cp.balance)
+        from gradsched.cp.balance import imbalance, pairs_per_rank
         for name, lb in (("head_tail", True), ("documents", "documents")):
             work = pairs_per_rank(masks["position_ids"], a.cp, causal=a.causal, load_balance=lb)
             mask_detail.update({f"pairs_per_rank_{name}": work, f"imbalance_{name}": round(imbalance(work), 3)})

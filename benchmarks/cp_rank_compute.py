@@ -4,7 +4,7 @@
                                          [--dim 64] [--dtype bf16] [--iters 10]
 
 One process, one device, no communication: for every rank, the blocks, merges and sums
-that rank runs in the ring's forward and backward (gradsched.ring_simulation.rank_compute,
+that rank runs in the ring's forward and backward (gradsched.cp.ring_simulation.rank_compute,
 the code the ring and the simulation run), with every K/V at hand. The limit is the
 same kernel forward + backward over the whole sequence, divided by cp: what a rank would
 take if the work split perfectly and communication were free. fraction_of_limit =
@@ -35,8 +35,8 @@ import time
 
 import torch
 
-from gradsched.attention_kernels import attend, attend_backward, choose_kernel
-from gradsched.ring_simulation import rank_compute
+from gradsched.cp.attention_kernels import attend, attend_backward, choose_kernel
+from gradsched.cp.ring_simulation import rank_compute
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import emit  # noqa: E402

@@ -5,11 +5,11 @@
 
 Starts --cp gloo processes (gradsched.launch.run_ranks, one thread each). Every rank
 builds the same full-sequence q, k, v, grad_out from the seed and keeps its shard in the
-load-balanced layout (gradsched.cp_layout; torch's head-tail load balancer cuts the
+load-balanced layout (gradsched.cp.layout; torch's head-tail load balancer cuts the
 sequence the same way). Three implementations of forward + backward over those shards:
 
     gradsched_inductor  torch.compile(fullgraph=True, backend="inductor") of a function
-                        calling gradsched.ring_attention.ring_attention; out.backward()
+                        calling gradsched.cp.ring_attention.ring_attention; out.backward()
                         runs the Inductor-compiled backward graph (AOTAutograd)
     torch_ring          torch's own ring, the engine of
                         torch.distributed.tensor.experimental.context_parallel:
@@ -78,10 +78,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import shard
+from gradsched.cp.layout import shard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import ring_attention
-from gradsched.ring_schedule import fewest_roundings_default
+from gradsched.cp.ring_attention import ring_attention
+from gradsched.cp.ring_schedule import fewest_roundings_default
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
@@ -298,8 +298,8 @@ def main(argv=None) -> list[dict]:
 
     impls = list(per_rank[0]["times"])
     medians = {n: statistics.median(per_rank[0]["times"][n]) for n in impls}
-    from gradsched.cp_comm import choose_comm
-    from gradsched.report import ring_steps
+    from gradsched.cp.comm import choose_comm
+    from gradsched.sync.report import ring_steps
     picked = choose_comm(q_heads=a.heads, kv_heads=cfg["kv_heads"], cp=a.cp, masked=a.window is not None)
     fixed = [medians[f"gradsched_inductor:{c}"] for c in cfg["comms"] if c != "auto" and len(cfg["comms"]) > 1]
     rows = []

@@ -59,7 +59,7 @@ def _mark(marks: str) -> None:
 def _inject(fault: str, marks: str) -> None:
     """Arm the fault in this (the faulty) rank: it fires in the optimizer's all-gather at step 2."""
     import torch.distributed as dist
-    import gradsched.optimizer as optimizer
+    import gradsched.training.optimizer as optimizer
     gather, calls = optimizer._all_gather, {}
 
     def at_step_2(out, x, group):

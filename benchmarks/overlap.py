@@ -33,7 +33,7 @@ import argparse
 import sys
 
 from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
-from gradsched.compiled_code import bytes_before_last_compute, kernels_left
+from gradsched.sync.compiled_code import bytes_before_last_compute, kernels_left
 from gradsched.launch import run_ranks
 from tied_training import Job, compare, gradient_error, rank_main, reference
 from tiny_gpt import GPTConfig

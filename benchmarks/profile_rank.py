@@ -7,8 +7,8 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from gradsched.attention_kernels import attend, attend_backward
-from gradsched.ring_simulation import rank_compute
+from gradsched.cp.attention_kernels import attend, attend_backward
+from gradsched.cp.ring_simulation import rank_compute
 
 
 def main():

@@ -7,7 +7,7 @@ Forward + backward of one block (B=1, bf16 q, k, v), causal (a diagonal square) 
 timed with CUDA events (median of --iters after warm-up), per implementation:
 
     flash               aten _scaled_dot_product_flash_attention (+ backward): out, dq, dk, dv in bf16
-    triton_fp32         gradsched.triton_attention, precise=False: fp32 out/LSE and dq/dk/dv
+    triton_fp32         gradsched.cp.triton_attention, precise=False: fp32 out/LSE and dq/dk/dv
                         (accumulate="fp32")
     triton_fp32_blocks  precise=True: P and dS fed as bf16 hi + lo, the rounding floor
                         (accumulate="fp32_blocks")
@@ -20,7 +20,7 @@ CUDA graphs sees it; small blocks are launch-bound otherwise).
 
 One JSON object per (block, impl, timing) on stdout, with "ms" and "ratio_to_flash"; also
 written to benchmarks/results/triton_kernel.jsonl. Target (issue 11): the fp32-output kernel
-<= 1.3x flash. --sweep first times each kernel's candidate tiles (gradsched.triton_attention
+<= 1.3x flash. --sweep first times each kernel's candidate tiles (gradsched.cp.triton_attention
 .CONFIGS) and keeps the fastest. Needs CUDA.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ CANDIDATES = {
 def sweep(heads: int, dim: int, seq: int, iters: int) -> None:
     """Per kernel, the candidate tiles timed on a causal fwd+bwd (others at their current
     choice), keeping the fastest in triton_attention.CONFIGS."""
-    from gradsched import triton_attention as ta
+    from gradsched.cp import triton_attention as ta
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, dout = (torch.randn(1, heads, seq, dim, generator=g, device="cuda")
@@ -121,7 +121,7 @@ def sweep(heads: int, dim: int, seq: int, iters: int) -> None:
 
 def efficient_fp32_results(q, k, v, dout, scale):
     """(out, dq, dk, dv) of the causal block with fp32 operands (aten memory-efficient)."""
-    from gradsched.attention_kernels import attend, attend_backward
+    from gradsched.cp.attention_kernels import attend, attend_backward
 
     qf, kf, vf, df = (x.float() for x in (q, k, v, dout))
     out, lse = attend(qf, kf, vf, True, scale)
@@ -129,8 +129,8 @@ def efficient_fp32_results(q, k, v, dout, scale):
 
 
 def impls(q, k, v, dout, causal: bool, scale: float) -> dict:
-    from gradsched import triton_attention
-    from gradsched.attention_kernels import attend, attend_backward
+    from gradsched.cp import triton_attention
+    from gradsched.cp.attention_kernels import attend, attend_backward
 
     def flash():
         out, lse = attend(q, k, v, causal, scale)

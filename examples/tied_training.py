@@ -132,7 +132,7 @@ def group_options(job: Job):
         return None
     if job.param_groups != "decay_matrices":
         raise ValueError(f"unknown param_groups {job.param_groups!r}")
-    from gradsched.param_groups import weight_decay_groups
+    from gradsched.training.param_groups import weight_decay_groups
     return weight_decay_groups(optimizer_kwargs(job)["weight_decay"])
 
 
@@ -168,7 +168,7 @@ def reference(job: Job) -> dict:
         opt.zero_grad()
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
-    from gradsched.ties import shared_parameters
+    from gradsched.sync.ties import shared_parameters
     return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model), "norms": norms,
             "state_keys": list(model.state_dict())}
 
@@ -357,7 +357,7 @@ def checkpoint_contents(path: str) -> dict:
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    from gradsched.checkpoint import checkpoint_dir
+    from gradsched.training.checkpoint import checkpoint_dir
     with tempfile.TemporaryDirectory() as d:
         out = f"{d}/whole.pt"
         dcp_to_torch_save(checkpoint_dir(path), out)

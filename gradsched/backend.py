@@ -16,8 +16,8 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-from .compile import compile_graph
-from .options import SyncOptions
+from gradsched.sync.compile import compile_graph
+from gradsched.options import SyncOptions
 
 _KEY = re.compile(r"\['([^']+)'\]|\.([A-Za-z_]\w*)")
 
@@ -49,7 +49,7 @@ def _local_sequence_length(example_inputs) -> int | None:
 
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
     """Context parallelism: attention becomes ring steps over the plan's CP group."""
-    from gradsched import ring_attention as ring
+    from gradsched.cp import ring_attention as ring
     from gradsched.passes.context_parallel import RingSpec, attention_left, lower_attention_to_ring
     _, report = lower_attention_to_ring(gm, RingSpec(
         plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention, check=ring.check_attention_call,
@@ -72,8 +72,8 @@ def _sync_for_backend_by_name(plan, options: dict, params):
     """The GradSync of torch.compile(model, backend="gradsched", options=...): one per model, reused
     by recompiles. Alone, the backend sees single backward passes, so it takes only what it can
     run right: one stage, every backward ending a step, the reductions inside it."""
-    from .runtime import GradSync, sync_of
-    from .stage_setup import setup_stage
+    from gradsched.sync.runtime import GradSync, sync_of
+    from gradsched.sync.stage_setup import setup_stage
     if plan is None:
         raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '
                          "(or use gradsched.parallelize).")

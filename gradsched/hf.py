@@ -16,7 +16,7 @@ Ulysses, and which is SDPA in one process):
   per-token mask it costs, for data that is never packed);
 - padding: an attention_mask [B, S] hides the pads as keys, as HF's does;
 - explicit documents: seq_idx [B, S] (HF's name for it), which the document-balanced layout
-  needs (gradsched.cp_layout, load_balance="documents"): documents are then the equal
+  needs (gradsched.cp.layout, load_balance="documents"): documents are then the equal
   seq_idx, and positions only place tokens and measure the window.
 Anything else a layer computes (logit soft-capping, attention sinks, dropout, bidirectional or
 chunked attention, a mask bent by the model's own mask function) is refused
@@ -110,7 +110,7 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from gradsched.masks import attention
+    from gradsched.cp.masks import attention
 
     def make(documents: bool):
         def gradsched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

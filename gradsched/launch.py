@@ -11,7 +11,10 @@ import datetime
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -51,7 +54,7 @@ def _entry(rank, world, port, fn, args, out_dir, collective_timeout_s):
 # CPU per rank; with 4 ranks on 2 cores that was ~10 s of every start). The server imports and starts
 # nothing else (no threads, no process group), so forking it is safe; GRADSCHED_START_METHOD=spawn
 # goes back to a fresh interpreter per rank. Names that fail to import are skipped by the server.
-_PRELOAD = ["torch", "torch.distributed", "gradsched.parallel", "gradsched.ring_attention", "gradsched.hf",
+_PRELOAD = ["torch", "torch.distributed", "gradsched.parallel", "gradsched.cp.ring_attention", "gradsched.hf",
             "transformers.models.llama.modeling_llama", "transformers.models.gpt2.modeling_gpt2",
             "transformers.models.mistral.modeling_mistral", "transformers.models.qwen2.modeling_qwen2",
             "transformers.models.gemma3.modeling_gemma3"]
@@ -103,3 +106,42 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeou
         text = "\n".join(f"--- rank {r} ---\n{msg}" for r, msg in errors)
         raise RankFailed(f"{len(errors)} of {world} ranks failed:\n{text}")
     return [res[1] if res[0] == "ok" else res for res in results]
+
+
+# ---- one node of a command line, as torchrun would start it -----------------------------------
+
+def launch_command(nproc: int, argv: list[str]) -> int:
+    """Start `python argv...` on `nproc` local processes (torchrun's variables, one thread each unless
+    OMP_NUM_THREADS says otherwise) and wait for them. When one fails, the others are stopped, and the
+    exit code is the first failure's: 2 for a mistake, which rank 0 has named in one line."""
+    env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = [subprocess.Popen([sys.executable, *argv],
+                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
+    try:
+        return _wait_all(procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _wait_all(procs, grace_s: float = 5.0) -> int:
+    """0 when every process ends well; else the first failure's exit code. After a failure the others
+    get `grace_s` to end by themselves (ranks finding the same mistake end with it, and rank 0 says
+    it), then are stopped."""
+    first, deadline = None, None
+    while any(p.poll() is None for p in procs):
+        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
+        if failed and first is None:
+            first, deadline = failed[0], time.monotonic() + grace_s
+        if deadline is not None and time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            deadline = None
+        time.sleep(0.1)
+    if first is None:
+        first = next((p.returncode for p in procs if p.returncode != 0), 0)
+    return first if first > 0 else 1 if first else 0

@@ -1,4 +1,4 @@
-"""Options of the gradient-sync passes, validated once with readable errors."""
+"""Options of the gradient-sync passes and of context parallelism, validated once with readable errors."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -10,6 +10,8 @@ PLACEMENTS = ("auto", "split", "backward", "flush")
 COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
 COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
+LOAD_BALANCE = (True, False, "documents")
+# The one list of each option's values: the context-parallel modules import them from here.
 
 
 @dataclass
@@ -46,11 +48,11 @@ class SyncOptions:
     dump_dir: str | None = None
     # context parallelism (plan.cp > 1): how attention is lowered into ring steps
     accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
-    # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.ulysses) | "hybrid" (a2a over
-    # groups of a2a_degree consecutive CP ranks x ring over the rest) | "auto" (gradsched.cp_comm picks per call)
+    # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.cp.ulysses) | "hybrid" (a2a over
+    # groups of a2a_degree consecutive CP ranks x ring over the rest) | "auto" (gradsched.cp.comm picks per call)
     comm: str = "ring"
     a2a_degree: int | None = None  # comm="hybrid" only; None: the largest the heads allow
-    # causal layout (gradsched.cp_layout): True: rank r holds chunks r and 2cp-1-r; False: chunk r;
+    # causal layout (gradsched.cp.layout): True: rank r holds chunks r and 2cp-1-r; False: chunk r;
     # "documents": each batch row first reordered so every rank holds a share of every packed document
     load_balance: bool | str = True
 
@@ -68,7 +70,6 @@ class SyncOptions:
         if self.comm not in COMMS:
             bad("comm", self.comm, COMMS)
         if not (isinstance(self.load_balance, bool) or self.load_balance == "documents"):
-            from gradsched.cp_layout import LOAD_BALANCE
             bad("load_balance", self.load_balance, LOAD_BALANCE)
         if self.a2a_degree is not None and self.comm != "hybrid":
             raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} is for comm='hybrid' (comm is "

@@ -20,29 +20,17 @@ import functools
 import torch
 import torch.nn as nn
 
-from .backend import gradsched_backend
-from .options import SyncOptions
-from .plan import ParallelPlan
-from .runtime import GradSync
-from .stage_setup import setup_stage
-from .ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
-from .user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
+from gradsched.backend import gradsched_backend
+from gradsched.options import SyncOptions
+from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
+                                      hf_checkpointed_layers, warn_checkpointing_dropped)
+from gradsched.plan import ParallelPlan
+from gradsched.sync.runtime import GradSync
+from gradsched.sync.stage_setup import setup_stage
+from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
+from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
-
-
-def _check_first_stage_inputs(pipe, model_name: str) -> None:
-    """The split orders the first stage's inputs by first use in forward, and the schedule hands
-    them over in the model's call order: if they differ, every input would land in another's place
-    (tokens read as positions: silently wrong). Refuse instead."""
-    def inputs(gm):
-        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    called, first = inputs(pipe.split_gm), inputs(pipe.get_stage_module(0))
-    if first != called[:len(first)]:
-        raise StageError(f"splitting {model_name} into pipeline stages: its first stage takes its inputs in "
-                         f"the order {first}, and the model is called with {called}: the pipeline would pass "
-                         "each in another's place. Make the model's forward use its inputs first in the order "
-                         "it takes them (e.g. touch them in that order at the top of forward).")
 
 
 def _check_takes_seq_idx(model: nn.Module) -> None:
@@ -56,108 +44,6 @@ def _check_takes_seq_idx(model: nn.Module) -> None:
         "each sequence is reordered so that every rank holds a piece of every document, and seq_idx says which "
         f"document each token is in; its forward takes {[p.name for p in params]}. Take seq_idx and hand it to "
         "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")
-
-
-@contextlib.contextmanager
-def _checkpointed_calls():
-    """(function, checkpoint arguments) for each call torch.utils.checkpoint is asked to checkpoint
-    while this runs, either use_reentrant."""
-    import torch.utils.checkpoint as ckpt
-    calls, reentrant, generator = [], ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
-
-    class Reentrant:
-        @staticmethod
-        def apply(function, *args):
-            calls.append((function, {"use_reentrant": True}))
-            return reentrant.apply(function, *args)
-
-    def non_reentrant(function, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *args, **kwargs):
-        selective = {} if context_fn is ckpt.noop_context_fn else {"context_fn": context_fn}  # Dynamo takes no other
-        calls.append((function, {"use_reentrant": False, **selective}))
-        return generator(function, preserve_rng_state, context_fn, *args, **kwargs)
-
-    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = Reentrant, non_reentrant
-    try:
-        yield calls
-    finally:
-        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = reentrant, generator
-
-
-def hf_checkpointed_layers(model: nn.Module) -> list:
-    """(layer, checkpoint arguments) for each Hugging Face layer that checkpoints itself (a
-    GradientCheckpointingLayer whose flag gradient_checkpointing_enable / activation_checkpointing_enable
-    set). transformers >= 5.24 checkpoints only in grad mode, so the trace, run under no_grad, sees no call."""
-    import torch.utils.checkpoint as ckpt
-    found = []
-    for m in model.modules():
-        func = getattr(m, "_gradient_checkpointing_func", None)
-        if getattr(m, "gradient_checkpointing", False) is True and isinstance(func, functools.partial) and \
-                "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}:
-            kw = {k: v for k, v in func.keywords.items() if k in ("use_reentrant", "context_fn")}
-            if kw.get("context_fn") is ckpt.noop_context_fn:
-                del kw["context_fn"]
-            found.append((m, kw))
-    return found
-
-
-def _module_called(function) -> nn.Module | None:
-    """The module whose forward a checkpointed function is: the module itself (checkpoint(block, x)), the
-    owner of a bound method, or, through partials, a class's forward given its module first (HF's layers
-    checkpoint partial(forward, self, **kwargs))."""
-    while isinstance(function, functools.partial):
-        first = function.args[0] if function.args else None
-        if isinstance(first, nn.Module) and _is_forward_of(function.func, first):
-            return first
-        function = function.func
-    owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
-
-
-def _is_forward_of(function, module: nn.Module) -> bool:
-    qualname = getattr(function, "__qualname__", "").split(".")
-    return qualname[-1:] == ["forward"] and len(qualname) > 1 and \
-        qualname[-2] in {c.__name__ for c in type(module).__mro__}
-
-
-def checkpoint_stage_modules(stage_module: nn.Module, model: nn.Module, calls: list) -> list:
-    """Activation checkpointing back in a pipeline stage: pipelining's trace (torch.export) runs each
-    checkpointed call as a plain one, so the stage it builds holds no checkpoint. Every submodule of
-    `stage_module` named as a module the model checkpointed gets its calls checkpointed again, with
-    the same arguments (Dynamo then makes them tag_activation_checkpoint, as in the unsplit model;
-    parameter names are unchanged). Returns the checkpointed functions that are no module's call,
-    which cannot be put back."""
-    names = {id(m): n for n, m in model.named_modules()}
-    lost, wanted = [], {}
-    for function, kwargs in calls:
-        module = _module_called(function)
-        if module is None or id(module) not in names:
-            lost.append(function)
-        else:
-            wanted[names[id(module)]] = kwargs
-    for name, sub in stage_module.named_modules():
-        if name in wanted:
-            _checkpoint_calls(sub, wanted[name])
-    return lost
-
-
-def _checkpoint_calls(module: nn.Module, kwargs: dict) -> None:
-    from torch.utils.checkpoint import checkpoint
-    cls = type(module)
-
-    def forward(self, *args, **kw):
-        return checkpoint(super(checkpointed, self).forward, *args, **kwargs, **kw)
-    checkpointed = type(cls.__name__, (cls,), {"forward": forward})  # its own class: the instance only
-    module.__class__ = checkpointed
-
-
-def _warn_checkpointing_dropped(calls: int, pp: int) -> None:
-    import warnings
-    warnings.warn(f"activation checkpointing is partly lost under pipeline parallelism (pp={pp}): "
-                  f"torch.distributed.pipelining's trace runs the model's checkpointed calls as plain calls, "
-                  f"and gradsched puts back only checkpoints of a module's call; {calls} call(s) of other "
-                  "functions keep their activations. Training is unchanged; memory is not saved there. "
-                  "Checkpoint whole modules (torch.utils.checkpoint(module, ...)) to keep it.",
-                  UserWarning, stacklevel=3)
 
 
 class ParallelModel:
@@ -205,7 +91,7 @@ class ParallelModel:
         under context parallelism each rank holds non-contiguous chunks, so positions come in
         explicitly (learned or rotary embeddings read them; packed documents restart them).
         Under load_balance="documents" it gets (tokens, positions, attention_mask, seq_idx): each
-        row reordered so every rank holds a share of every document (gradsched.cp_layout.
+        row reordered so every rank holds a share of every document (gradsched.cp.layout.
         balance_documents), and seq_idx says which document each token is in. attention_mask is
         then all ones where none was given (a pipeline split drops an input passed as None, and
         seq_idx would take its place).
@@ -219,7 +105,7 @@ class ParallelModel:
         args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
         if self.plan.cp == 1:
             return args, targets
-        from .cp_layout import balance_documents, shard
+        from gradsched.cp.layout import balance_documents, shard
         cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
         if lb == "documents":
             if attention_mask is None:
@@ -236,7 +122,7 @@ class ParallelModel:
         # unflattener turns into a call with no arguments. The stages still run under
         # autograd; only the trace is affected.
         try:
-            with torch.no_grad(), _checkpointed_calls() as checkpointed:
+            with torch.no_grad(), checkpointed_calls() as checkpointed:
                 pipe = pipeline(self.model, mb_args=microbatch,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as e:  # export's message is generic; the model's own error is in the chain
@@ -250,14 +136,14 @@ class ParallelModel:
                     "instead), or a weight shared with a module the split moves to another stage; try other "
                     "split points.")
             raise err from e
-        _check_first_stage_inputs(pipe, type(self.model).__name__)
+        check_first_stage_inputs(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
         stage_module = pipe.get_stage_module(self.plan.stage)
         lost = checkpoint_stage_modules(stage_module, self.model, checkpointed + hf_checkpointed_layers(self.model))
         if lost:
-            _warn_checkpointing_dropped(len(lost), self.plan.pp)
+            warn_checkpointing_dropped(len(lost), self.plan.pp)
         self._build(ties, stage_module)
         sync = self.grad_sync
 
@@ -405,10 +291,22 @@ class ParallelModel:
         its own name, never used or updated there)."""
         if self.module is None:
             return self.model.named_parameters()
-        stale = self._stale_names()
+        stale = self.stale_names()
         return ((n, p) for n, p in self.stage_module.named_parameters() if n not in stale)
 
-    def _stale_names(self) -> set:
+    def unsplit_module(self) -> nn.Module:
+        """The model as the user built it (what checkpoints and parameter groups name)."""
+        return self.model
+
+    def trained_module(self) -> nn.Module:
+        """The module whose tensors this rank trains: its stage under pp > 1 (once built), else the model."""
+        return self.stage_module if self.module is not None else self.model
+
+    def stale_names(self) -> set:
+        """Names this rank's stage holds and never trains: tied copies whose tie lives on another stage
+        (pipelining's split keeps them). Empty before the split."""
+        if self.module is None:
+            return set()
         mine = {n for t in self.ties for s, n in t.members if s == self.plan.stage}
         return {n for t in self.ties for s, n in t.members if s != self.plan.stage} - mine
 
@@ -421,7 +319,7 @@ class ParallelModel:
         if self.module is None or self.plan.pp == 1:
             local = (self.stage_module if self.module is not None else self.model).state_dict()
             return {k: local[k].detach() for k in keys}
-        stale = self._stale_names()
+        stale = self.stale_names()
         local = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items() if k not in stale}
         stages = [None] * self.plan.pp
         dist.all_gather_object(stages, local, group=self.plan.process_group("pp"))

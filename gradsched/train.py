@@ -26,10 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -37,6 +34,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from gradsched.launch import free_port, launch_command
+from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
     "llama-tiny": ("LlamaConfig", dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -48,10 +48,6 @@ BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embe
     "gpt2-tiny": ("GPT2Config", dict(vocab_size=256, n_embd=64, n_layer=4, n_head=4, n_positions=4096,
                                      attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)),
 }
-
-
-class Mistake(ValueError):
-    """A mistake in the command line or its files that the user can fix: one line, exit code 2."""
 
 
 def rank0() -> bool:
@@ -105,108 +101,6 @@ def split_points(model: torch.nn.Module, layers: int, pp: int) -> list[str]:
 
 def next_token_loss(logits, targets):
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-# ---- the data -------------------------------------------------------------------------------
-
-class TokenFile:
-    """A flat binary file of token ids, read as consecutive windows of seq + 1 tokens. Refused unless
-    it holds one global batch of windows, each token inside the vocabulary."""
-
-    def __init__(self, path: str, ids: str, seq: int, vocab: int, batch: int):
-        self.tokens = _token_ids(path, ids)
-        self.seq, self.windows = seq, (len(self.tokens) - 1) // seq
-        if self.windows < batch:  # a step would read the same window twice
-            raise Mistake(f"--data {path}: {len(self.tokens)} tokens make {self.windows} windows of --seq {seq} + 1, "
-                          f"fewer than one global batch of --batch {batch}: give more data, or a smaller --batch "
-                          "or --seq.")
-        top = int(self.tokens.max())
-        if top >= vocab:
-            raise Mistake(f"--data {path} holds token id {top}, but the model's vocabulary has {vocab}: check "
-                          "--ids (uint16 or uint32) and the model.")
-
-    def batch(self, step: int, size: int):
-        """Windows step*size .. step*size + size - 1 (wrapping around the file): (inputs, next tokens)."""
-        rows = []
-        for i in range(step * size, (step + 1) * size):
-            at = (i % self.windows) * self.seq
-            rows.append(torch.from_numpy(self.tokens[at:at + self.seq + 1].astype("int64")))
-        w = torch.stack(rows)
-        return w[:, :-1], w[:, 1:]
-
-
-def _token_ids(path: str, ids: str):
-    """The file's token ids, mapped (not read); a missing, empty or ragged file is a Mistake."""
-    import numpy as np
-    dtype = {"uint16": np.uint16, "uint32": np.uint32}[ids]
-    if not os.path.isfile(path):
-        raise Mistake(f"--data {path}: no such file.")
-    size = os.path.getsize(path)
-    if size == 0 or size % np.dtype(dtype).itemsize:
-        raise Mistake(f"--data {path}: {size} bytes, not a whole, non-zero number of {ids} token ids: check the "
-                      "file and --ids.")
-    return np.memmap(path, dtype=dtype, mode="r")
-
-
-class Synthetic:
-    """Sequences t[i+1] = (a * t[i] + c) mod vocab, with (a, c, t[0]) drawn per sequence from the
-    sequence's index: learnable in-context, the same on every rank and at every layout."""
-
-    def __init__(self, seq: int, vocab: int, seed: int):
-        self.seq, self.vocab, self.seed = seq, vocab, seed
-
-    def batch(self, step: int, size: int):
-        rows = []
-        for i in range(step * size, (step + 1) * size):
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + i)
-            a, c, t = (int(x) for x in torch.randint(1, self.vocab, (3,), generator=g, device="cpu"))
-            seq = [t]
-            for _ in range(self.seq):
-                seq.append((a * seq[-1] + c) % self.vocab)
-            rows.append(torch.tensor(seq, device="cpu"))  # host data; the step moves it
-        w = torch.stack(rows)
-        return w[:, :-1], w[:, 1:]
-
-
-# ---- the schedule and the report --------------------------------------------------------------
-
-def lr_scale(step: int, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup over `warmup` steps, then cosine decay to min_ratio at `total` (step counts from 0)."""
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, total - warmup))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-
-class Progress:
-    """A line per step: rewritten in place on a terminal, else one every `every` steps (and the last)."""
-
-    def __init__(self, total: int, every: int, out=sys.stdout):
-        self.total, self.every, self.out, self.tty = total, every, out, out.isatty()
-
-    def show(self, row: dict) -> None:
-        done = row["step"]
-        bar = "#" * int(20 * done / self.total)
-        line = (f"step {done}/{self.total} [{bar:<20}] loss {row['loss']:.4f} lr {row['lr']:.2e} "
-                f"{row['tokens_per_s']:,.0f} tok/s {row['step_s'] * 1000:.0f} ms/step")
-        if self.tty:
-            self.out.write("\r" + line + ("\n" if done == self.total else ""))
-        elif done % self.every == 0 or done == self.total:
-            self.out.write(line + "\n")
-        self.out.flush()
-
-
-def open_metrics(path: str, start: int):
-    """The metrics file to append rows to. A run from step 0 starts it anew; a resumed run keeps the
-    rows of the steps before its start (the run it resumes) and drops the later ones, which it redoes."""
-    kept = []
-    if start > 0 and os.path.isfile(path):
-        with open(path) as f:
-            kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= start]
-    f = open(path, "w")
-    f.writelines(kept)
-    f.flush()
-    return f
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -279,10 +173,10 @@ def main(argv=None) -> int:
     import gradsched
     args = parse(argv)
     if "RANK" not in os.environ and args.nproc_per_node > 1:
-        return launch(args.nproc_per_node, sys.argv[1:] if argv is None else list(argv))
+        return launch_command(args.nproc_per_node, ["-m", "gradsched.train", *(sys.argv[1:] if argv is None else argv)])
     if "RANK" not in os.environ:  # one process, no launcher: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
     quiet_libraries()
     try:
         return train(args)
@@ -304,7 +198,7 @@ def refuse(e: Exception) -> int:
 
 def train(args) -> int:
     import gradsched
-    from gradsched.checkpoint import checkpoint_dir
+    from gradsched.training.checkpoint import checkpoint_dir
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     if args.warmup > args.steps:
         warn(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate never "
@@ -361,50 +255,6 @@ def train(args) -> int:
         metrics.close()
     torch.distributed.destroy_process_group()
     return 0
-
-
-# ---- one node without torchrun ---------------------------------------------------------------
-
-def _free_port() -> int:
-    from gradsched.launch import free_port
-    return free_port()
-
-
-def launch(nproc: int, argv: list[str]) -> int:
-    """Start this command on `nproc` local processes (torchrun's variables, one thread each unless
-    OMP_NUM_THREADS says otherwise) and wait for them. When one fails, the others are stopped, and the
-    exit code is the first failure's: 2 for a mistake, which rank 0 has named in one line."""
-    env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    procs = [subprocess.Popen([sys.executable, "-m", "gradsched.train", *argv],
-                              env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(nproc)]
-    try:
-        return _wait_all(procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-
-
-def _wait_all(procs, grace_s: float = 5.0) -> int:
-    """0 when every process ends well; else the first failure's exit code. After a failure the others
-    get `grace_s` to end by themselves (ranks finding the same mistake end with it, and rank 0 says
-    it), then are stopped."""
-    first, deadline = None, None
-    while any(p.poll() is None for p in procs):
-        failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
-        if failed and first is None:
-            first, deadline = failed[0], time.monotonic() + grace_s
-        if deadline is not None and time.monotonic() > deadline:
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            deadline = None
-        time.sleep(0.1)
-    if first is None:
-        first = next((p.returncode for p in procs if p.returncode != 0), 0)
-    return first if first > 0 else 1 if first else 0
 
 
 if __name__ == "__main__":

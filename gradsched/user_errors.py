@@ -14,6 +14,8 @@ import weakref
 
 import torch
 
+from gradsched.passes.graph_utils import stack_frames
+
 _LIBRARY_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, os, traceback))
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 
@@ -47,7 +49,7 @@ def _from_user_code(message: str) -> str | None:
     """Dynamo and export trace bytecode, so the user's frames are in their message, not the traceback."""
     if "from user code:" not in message:
         return None
-    frames = [(f, code) for f, code in _frames_of(message.split("from user code:", 1)[1])
+    frames = [(f, code) for f, code in stack_frames(message.split("from user code:", 1)[1])
               if not f.startswith('File "<')]  # generated code ('File "<eval_with_key>.3"') is not the user's
     return f"{frames[-1][0]}, code: {frames[-1][1]}" if frames else None
 
@@ -125,13 +127,6 @@ def _generated_frames(exc: BaseException) -> list[tuple[str, int]]:
     return frames
 
 
-def _frames_of(stack_trace: str) -> list[tuple[str, str]]:
-    """('File "f", line n, in fn', code) for each frame of a node's stack trace, outermost first."""
-    lines = stack_trace.strip().splitlines()
-    return [(line.strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
-            for i, line in enumerate(lines) if line.strip().startswith('File "')]
-
-
 def _node_at(graphs: dict, filename: str, lineno: int) -> torch.fx.Node | None:
     gm = graphs.get(filename)
     if gm is None or not getattr(gm, "_lineno_map", None):
@@ -144,7 +139,7 @@ def _map_line(graphs: dict, filename: str, lineno: int, depth: int = 0) -> str |
     """The user's line behind a line of generated code. A node's stack trace may itself end in
     generated code (Dynamo traced the split's GraphModule): follow it there."""
     node = _node_at(graphs, filename, lineno)
-    frames = _frames_of(node.meta.get("stack_trace") or "") if node is not None else []
+    frames = stack_frames(node.meta.get("stack_trace") or "") if node is not None else []
     library = tuple(f'File "{d}' for d in _LIBRARY_DIRS)
     for frame, code in reversed(frames):  # innermost first; torch's own modules are not the user's line
         inner = _GENERATED.search(frame)

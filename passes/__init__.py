@@ -1,9 +1,9 @@
 """gradsched's FX passes: pure graph-to-graph functions, composed in one visible pipeline.
 
-The gradient-sync pipeline, run on each stage's backward graph by `gradsched.stage_build`
-(steps 2 and 2b through `gradsched.sync_plan.plan_sync`, whose SyncPlan is the plain-data
-result the later steps and the optimizer are handed; step 4 by `gradsched.preflight`, before a
-graph's first collective; `gradsched.runtime` only runs the graphs):
+The gradient-sync pipeline, run on each stage's backward graph by `gradsched.sync.stage_build`
+(steps 2 and 2b through `gradsched.sync.sync_plan.plan_sync`, whose SyncPlan is the plain-data
+result the later steps and the optimizer are handed; step 4 by `gradsched.sync.preflight`, before a
+graph's first collective; `gradsched.sync.runtime` only runs the graphs):
 
   1. grad_ready_order   (grad_ready_order.py)  read the order gradients become ready
   2. plan_buckets       (bucketing.py)         flat buckets in that order, shard-sized, the
@@ -23,8 +23,11 @@ Context parallelism (context_parallel.py) lowers attention into ring steps on th
 forward graph, before AOTAutograd.
 
 Each pass's module docstring states the invariant it establishes and what it assumes.
-`GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline (gradsched/sync_graphs.py) and the
-graph it produces.
+`GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline
+(gradsched/sync/sync_graphs.py) and the graph it produces.
+
+May import: torch and networkx only, never the rest of gradsched: a pass is a function from
+(graph, spec) to (graph, record), and what it needs comes in its spec.
 """
 from .bucketing import BucketLayout, place_buckets, plan_buckets
 from .grad_ready_order import GradSpec, grad_ready_order

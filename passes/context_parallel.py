@@ -8,7 +8,7 @@ and explicit documents (seq_idx) are handed to the ring as they are), in the gra
 body of every higher-order op that runs its body inline (INLINE_BODIES: activation checkpointing
 in all its forms, wrap, autocast and grad-mode regions, nested compile regions) at any depth,
 is a call of `spec.attention` (the runtime's ring,
-gradsched.ring_attention.ring_attention, handed in: passes never import the runtime) over
+gradsched.cp.ring_attention.ring_attention, handed in: passes never import the runtime) over
 the CP group `spec.cp_group_name`: the same inputs, an output of the same shape and dtype, and
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
@@ -31,7 +31,7 @@ left_local, and `attention_left` finds any attention call left anywhere, at any 
 backend to refuse.
 
 Assumes: the graph is ONE rank's forward on its slice of the sequence, laid out by
-gradsched.cp_layout with the same `load_balance`, and every rank of the CP group
+gradsched.cp.layout with the same `load_balance`, and every rank of the CP group
 compiles the same graph (the ring's collectives must match across ranks). Everything
 else in the graph must already be correct on a slice of the sequence: positions come
 in through position_ids, and the loss is a sum over local tokens (see cp_layout).
@@ -45,11 +45,19 @@ from typing import Callable
 import torch
 import torch.fx as fx
 
+from .graph_utils import copy_meta, fake_value, set_fake, stack_frames
 from .sequence_mixing import module_of
 
 
 class RingAttentionError(ValueError):
     """An attention call that the context-parallel ring cannot run as asked."""
+
+
+def effective_window(window: int | None, seq_len: int | None) -> int | None:
+    """The window a call over seq_len tokens applies: None when it is no shorter than the sequence
+    (it hides nothing: plain causal attention). The pass, the ring, its simulation and the report
+    all decide this here, so they agree on which calls are masked."""
+    return None if window is None or (seq_len is not None and window >= seq_len) else window
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ class AttentionForm:
     seq_major: bool = False  # [B, L, H, D] (flash-attn) instead of [B, H, L, D]
     returns_lse: bool = False  # returns (out, lse, ...) instead of out
     causal_default: bool | None = None  # when the call does not say (None: the spec's default)
-    masks: tuple[str, ...] = ()  # mask arguments handed to the ring as they are (gradsched.masks)
+    masks: tuple[str, ...] = ()  # mask arguments handed to the ring as they are (gradsched.cp.masks)
 
 
 SDPA = AttentionForm("scaled_dot_product_attention", _SDPA_PARAMS, "is_causal", "scale")
@@ -138,7 +146,7 @@ class LoweredAttention:
     why: str = ""
     window: int | None = None
     local_len: int | None = None  # one rank's slice of the sequence
-    load_balance: bool | str = True  # "documents": the document-balanced layout (gradsched.cp_layout)
+    load_balance: bool | str = True  # "documents": the document-balanced layout (gradsched.cp.layout)
     inside: str = ""  # the higher-order op whose body it was lowered in ("activation checkpoint"), or ""
     masks: tuple[str, ...] = ()  # the per-token mask arguments it passes (position_ids, key_padding, seq_idx)
 
@@ -258,9 +266,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
             "CausalLM does, given seq_idx), or use load_balance=True.")
     if documents:
         load_balance = True  # the reordered sequence is cut head-tail; seq_idx carries the documents
-    window = args.get("window")
-    if window is not None and local_len is not None and window >= local_len * cp:
-        window = None  # over the whole sequence it hides nothing: plain causal attention (ring_attention agrees)
+    window = effective_window(args.get("window"), local_len * cp if local_len is not None else None)
     masked = window is not None or any(args.get(m) is not None for m in form.masks if m != "window")
     choice = spec.check(call, q_heads=q_heads or 1, kv_heads=kv_heads or 1,
                         local_len=local_len if local_len is not None else 0, cp=cp,
@@ -283,14 +289,14 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
              "comm": comm, "load_balance": load_balance, "return_lse": form.returns_lse,
              "call": call, **{m: args[m] for m in form.masks if args.get(m) is not None},
              **({"a2a_degree": a2a_degree} if a2a_degree is not None else {})})
-        _copy_meta(node, ring)
+        copy_meta(node, ring)
         result = ring
         if form.seq_major:
             ring.meta.pop("val", None)
             ring.meta.pop("example_value", None)
-            _set_fake(ring, _fake(node).transpose(1, 2) if _fake(node) is not None else None)
+            set_fake(ring, fake_value(node).transpose(1, 2) if fake_value(node) is not None else None)
             result = _transpose(graph, ring)
-            _copy_meta(node, result)
+            copy_meta(node, result)
     node.replace_all_uses_with(result)
     graph.erase_node(node)
     return LoweredAttention(node.name, form.name, bool(causal), q_heads, kv_heads, _where(node), comm,
@@ -341,14 +347,8 @@ def _check_group(group: str, cp: int) -> None:
 
 # ---- small helpers ------------------------------------------------------------------------
 
-def _fake(node):
-    if not isinstance(node, fx.Node):
-        return None
-    return node.meta.get("val", node.meta.get("example_value"))
-
-
 def _shape(node):
-    val = _fake(node)
+    val = fake_value(node)
     return tuple(val.shape) if isinstance(val, torch.Tensor) else None
 
 
@@ -359,22 +359,10 @@ def _int(shape, dim):
     return n if isinstance(n, int) else None  # symbolic: the ring checks at run time
 
 
-def _set_fake(node: fx.Node, val) -> None:
-    if val is not None:
-        node.meta["val"] = val
-        node.meta["example_value"] = val
-
-
-def _copy_meta(src: fx.Node, dst: fx.Node) -> None:
-    for key in ("val", "example_value", "stack_trace", "nn_module_stack", "source_fn_stack"):
-        if key in src.meta:
-            dst.meta[key] = src.meta[key]
-
-
 def _transpose(graph: fx.Graph, x: fx.Node) -> fx.Node:
     t = graph.call_function(torch.transpose, (x, 1, 2))
-    val = _fake(x)
-    _set_fake(t, val.transpose(1, 2) if isinstance(val, torch.Tensor) else None)
+    val = fake_value(x)
+    set_fake(t, val.transpose(1, 2) if isinstance(val, torch.Tensor) else None)
     return t
 
 
@@ -388,11 +376,9 @@ if os.path.basename(_PACKAGE_DIR) != "gradsched":
 def _where(node: fx.Node) -> str:
     """The innermost frame of the call's stack outside gradsched (whose masks.attention and HF adapter
     wrap the user's or the model's attention layer), else the innermost."""
-    trace = node.meta.get("stack_trace") or ""
-    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip().startswith("File ")]
-    ours = f'"{_PACKAGE_DIR}{os.sep}'
-    theirs = [ln for ln in lines if ours not in ln]
-    return (theirs or lines or ["<unknown source>"])[-1]
+    frames = [frame for frame, _ in stack_frames(node.meta.get("stack_trace"))]
+    theirs = [f for f in frames if f'"{_PACKAGE_DIR}{os.sep}' not in f]
+    return (theirs or frames or ["<unknown source>"])[-1]
 
 
 def _target_name(node: fx.Node) -> str:

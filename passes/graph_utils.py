@@ -88,3 +88,35 @@ class GraphBuilder:
         else:
             raise ValueError(kind)
         return self.call(c10d.wait_tensor.default, c, tag={**tag, "wait": True})
+
+
+# ---- a node's value and source ------------------------------------------------------------------
+
+def fake_value(node) -> torch.Tensor | None:
+    """The fake tensor a node stands for (AOT's meta["val"], Dynamo's meta["example_value"]), if any."""
+    if not isinstance(node, fx.Node):
+        return None
+    v = node.meta.get("val", node.meta.get("example_value"))
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def set_fake(node: fx.Node, val) -> None:
+    """Record a new node's value under both keys, so Dynamo-level and AOT-level readers see it."""
+    if val is not None:
+        node.meta["val"] = val
+        node.meta["example_value"] = val
+
+
+def copy_meta(src: fx.Node, dst: fx.Node) -> None:
+    """A replacement node keeps the replaced one's value and source (what refusals and reports name)."""
+    for key in ("val", "example_value", "stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in src.meta:
+            dst.meta[key] = src.meta[key]
+
+
+def stack_frames(stack_trace: str | None) -> list[tuple[str, str]]:
+    """('File "f", line n, in fn', its code line) for each frame of a node's stack trace
+    (node.meta["stack_trace"]), outermost first."""
+    lines = (stack_trace or "").strip().splitlines()
+    return [(line.strip(), lines[i + 1].strip() if i + 1 < len(lines) else "")
+            for i, line in enumerate(lines) if line.strip().startswith('File "')]

@@ -32,6 +32,8 @@ import os
 import torch
 import torch.fx as fx
 
+from .graph_utils import fake_value, stack_frames
+
 _ATEN = torch.ops.aten
 # Normalisations over the key axis: what turns token-pair scores into attention weights (a sum covers
 # a hand-written exp(s) / exp(s).sum(-1), and its logsumexp)
@@ -70,7 +72,7 @@ def _carries_sequence(placeholder: fx.Node) -> bool:
     """A graph input that is no module state: tokens, positions, hidden states, masks. Dynamo marks a
     parameter's or buffer's input static (meta["tensor_dict"]), a parameter's fake value `_is_param`, and
     names lifted ones by their source; a buffer such as RoPE's inv_freq carries no sequence."""
-    v = _value(placeholder)
+    v = fake_value(placeholder)
     static = (placeholder.meta.get("tensor_dict") or {}).get("_dynamo_static_input_type")
     return v is not None and not static and not getattr(v, "_is_param", False) and \
         not any(s in placeholder.name for s in ("_parameters_", "_buffers_"))
@@ -87,12 +89,12 @@ def _pairs_tokens(node: fx.Node, factors: list, sequence: set, seq_len: int | No
     length must also appear in the last two axes of the result or of a factor."""
     if len(factors) < 2 or not all(isinstance(f, fx.Node) and f in sequence for f in factors):
         return False
-    out = _value(node)
+    out = fake_value(node)
     if out is None or out.dim() < 2 or not _same(out.shape[-1], out.shape[-2]):
         return False
     if seq_len is None:
         return True
-    axes = [d for t in [out] + [_value(f) for f in factors] if t is not None for d in t.shape[-2:]]
+    axes = [d for t in [out] + [fake_value(f) for f in factors] if t is not None for d in t.shape[-2:]]
     return any(_same(d, seq_len) for d in axes)
 
 
@@ -198,13 +200,6 @@ def _namespace(node: fx.Node) -> str | None:
     return ns
 
 
-def _value(node) -> torch.Tensor | None:
-    if not isinstance(node, fx.Node):
-        return None
-    v = node.meta.get("example_value", node.meta.get("val"))
-    return v if isinstance(v, torch.Tensor) else None
-
-
 def _dim_arg(node: fx.Node, position: int):
     if "dim" in node.kwargs:
         return node.kwargs["dim"]
@@ -222,7 +217,7 @@ def _mixes_sequence(node: fx.Node, seq_len: int | None) -> str | None:
         return "a scan over the sequence"
     if seq_len is None or node.op not in ("call_function", "call_method"):
         return None
-    x = _value(node.args[0]) if node.args else None
+    x = fake_value(node.args[0]) if node.args else None
     if x is None:
         return None
     if base in _CUMULATIVE:
@@ -236,9 +231,7 @@ def _mixes_sequence(node: fx.Node, seq_len: int | None) -> str | None:
 
 def _where(node: fx.Node) -> str:
     """The call's source lines, innermost first (the op may sit inside a library the model calls)."""
-    lines = [line.strip() for line in (node.meta.get("stack_trace") or "").strip().splitlines()]
-    frames = [f"{lines[i]}: {lines[i + 1]}" if i + 1 < len(lines) else lines[i]
-              for i, line in enumerate(lines) if line.startswith("File ")]
+    frames = [f"{frame}: {code}" if code else frame for frame, code in stack_frames(node.meta.get("stack_trace"))]
     frames = [f for f in frames if f"{os.sep}torch{os.sep}" not in f]  # torch's own frames say nothing
     return " <- ".join(reversed(frames[-3:])) or "unknown line"
 

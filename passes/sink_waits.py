@@ -13,7 +13,7 @@ collectives), and the graph is topologically sorted. Nothing else is moved, so
 
 This fixes the order for the eager compiler. Inductor schedules on its own: the
 graphs that reduce are compiled with its `sink_waits` and `raise_comms` comm passes
-(gradsched/compile.py), and tests/test_compiled_graph.py reads its generated code
+(gradsched/sync/compile.py), and tests/test_compiled_graph.py reads its generated code
 (waits after the backward's last kernel, reductions spread through it).
 tests/test_sink_waits.py checks the invariant on FX graphs.
 """

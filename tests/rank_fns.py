@@ -2,7 +2,7 @@
 import torch
 
 import gradsched
-from gradsched.runtime import sync_of
+from gradsched.sync.runtime import sync_of
 from tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
 from tiny_gpt import TinyGPT, lm_loss, make_batch
 
@@ -97,7 +97,7 @@ def hand_written_attention_under_cp(rank, world):
 
 def padded_sequence_under_cp(rank, world, seq: int):
     """A batch of length `seq` padded with cp_layout.pad_to_multiple (labels with ignore_index) under cp."""
-    from gradsched.cp_layout import pad_to_multiple
+    from gradsched.cp.layout import pad_to_multiple
     from tiny_gpt import GPTConfig
     plan = gradsched.ParallelPlan.from_world(cp=world)
     torch.manual_seed(0)
@@ -111,7 +111,7 @@ def padded_sequence_under_cp(rank, world, seq: int):
 def bf16_parameters_gathered_in_bf16(rank, world):
     """One AdamW step of a bf16 model under dp: the dtypes the optimizer all-gathers in, and whether
     every parameter is exactly its fp32 master shard rounded to bf16."""
-    import gradsched.optimizer as optimizer
+    import gradsched.training.optimizer as optimizer
     seen = []
     gather = optimizer._all_gather
 

@@ -1,12 +1,12 @@
-"""Which block kernel the ring runs (gradsched.attention_kernels), decided without a GPU."""
+"""Which block kernel the ring runs (gradsched.cp.attention_kernels), decided without a GPU."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradsched import attention_kernels
-from gradsched.attention_kernels import KernelError, choose_kernel, dq_tile, upcast_operands
-from gradsched.ring_attention import RingAttentionError, check_attention_call
+from gradsched.cp import attention_kernels
+from gradsched.cp.attention_kernels import KernelError, choose_kernel, dq_tile, upcast_operands
+from gradsched.cp.ring_attention import RingAttentionError, check_attention_call
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

@@ -4,8 +4,8 @@ import torch
 
 import gradsched
 from gradsched.launch import run_ranks
-from gradsched.optimizer import mark_sharded
-from gradsched.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
+from gradsched.sync.runtime import mark_sharded
+from gradsched.sync.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
 from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 
 from rank_fns import plan_errors

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from gradsched.checkpoint import CheckpointError, checkpoint_dir
+from gradsched.training.checkpoint import CheckpointError, checkpoint_dir
 from gradsched.launch import RankFailed, run_ranks
 from rank_fns import (damaged_load_messages, load_after_training_started, load_messages, resume_runs,
                       save_right_after_load, save_then_die_mid_save)
@@ -181,7 +181,7 @@ def test_torchs_checkpoint_exception_leaves_as_a_checkpoint_error_naming_the_che
     """DCP's CheckpointException is a BaseException: `except Exception` (and `except CheckpointError`) miss it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gradsched.checkpoint import _dcp
+    from gradsched.training.checkpoint import _dcp
 
     def fails():
         raise CheckpointException("load failed", {1: (EOFError("Ran out of input"), None)})

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsched.compile import compile_graph
+from gradsched.sync.compile import compile_graph
 from gradsched.launch import free_port
 from gradsched.passes import SyncSpec, grad_ready_order, insert_grad_sync, plan_buckets
 from gradsched.passes.graph_utils import is_collective

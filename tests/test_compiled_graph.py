@@ -2,7 +2,7 @@
 reductions are issued while the backward computes and waited for after its last kernel."""
 import re
 
-from gradsched.compiled_code import events, kernels_left
+from gradsched.sync.compiled_code import events, kernels_left
 from gradsched.launch import run_ranks
 from tied_training import Job, compare, rank_main, reference
 

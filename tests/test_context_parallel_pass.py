@@ -8,9 +8,9 @@ import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gradsched.cp_layout import shard, unshard
+from gradsched.cp.layout import shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, check_attention_call, ring_attention
+from gradsched.cp.ring_attention import RingAttentionError, check_attention_call, ring_attention
 from gradsched.passes.context_parallel import ContextParallelReport, RingSpec, lower_attention_to_ring
 
 B, H, KV, L, D = 1, 4, 2, 8, 8  # L: one rank's slice of the sequence

@@ -1,7 +1,7 @@
-"""Attention work per context-parallel rank (gradsched.cp_balance), against sums worked by hand."""
+"""Attention work per context-parallel rank (gradsched.cp.balance), against sums worked by hand."""
 import torch
 
-from gradsched.cp_balance import imbalance, pairs_per_rank
+from gradsched.cp.balance import imbalance, pairs_per_rank
 
 
 def test_one_causal_sequence_is_spread_evenly_by_the_balanced_layout():

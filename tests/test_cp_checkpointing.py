@@ -57,11 +57,11 @@ def test_a_pipeline_stage_gets_back_the_checkpoints_its_trace_ran_as_plain_calls
     import torch
     import torch.utils.checkpoint as ckpt
     from torch.distributed.pipelining import SplitPoint, pipeline
-    from gradsched.parallel import _checkpointed_calls, checkpoint_stage_modules
+    from gradsched.pipeline_split import checkpoint_stage_modules, checkpointed_calls
     from tiny_gpt import TinyGPT
     before = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
     model, x = TinyGPT(GPTConfig(checkpoint=mode)), torch.zeros(1, 16, dtype=torch.long)
-    with torch.no_grad(), _checkpointed_calls() as calls:
+    with torch.no_grad(), checkpointed_calls() as calls:
         pipe = pipeline(model, mb_args=(x,), split_spec={"blocks.1": SplitPoint.BEGINNING})
     assert [f for f, _ in calls] == list(model.blocks)  # torch's functions are put back afterwards
     assert (ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator) == before
@@ -82,12 +82,12 @@ def test_a_pipeline_stage_gets_back_the_checkpoints_its_trace_ran_as_plain_calls
 
 def test_a_checkpointed_function_that_is_no_modules_call_is_reported_lost():
     import torch
-    from gradsched.parallel import _checkpointed_calls, checkpoint_stage_modules
+    from gradsched.pipeline_split import checkpoint_stage_modules, checkpointed_calls
     from tiny_gpt import TinyGPT
     model = TinyGPT(GPTConfig())
 
     def closure(x):
         return model.blocks[0](x) * 2
-    with _checkpointed_calls() as calls:
+    with checkpointed_calls() as calls:
         torch.utils.checkpoint.checkpoint(closure, torch.zeros(1, 4, 32), use_reentrant=False)
     assert checkpoint_stage_modules(model, model, calls) == [closure]

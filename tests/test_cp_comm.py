@@ -1,10 +1,10 @@
-"""Which scheme runs a context-parallel attention call (gradsched.cp_comm): comm='auto' and the
+"""Which scheme runs a context-parallel attention call (gradsched.cp.comm): comm='auto' and the
 refusals of explicit choices the head counts cannot run."""
 import pytest
 
-from gradsched.cp_comm import choose_comm, resolve_comm
+from gradsched.cp.comm import choose_comm, resolve_comm
 from gradsched.options import SyncOptions
-from gradsched.ring_attention import RingAttentionError, check_attention_call
+from gradsched.cp.ring_attention import RingAttentionError, check_attention_call
 
 
 def auto(q, kv, cp, masked=False, causal=True):

@@ -1,4 +1,4 @@
-"""The context-parallel sequence layout (gradsched.cp_layout)."""
+"""The context-parallel sequence layout (gradsched.cp.layout)."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from gradsched.cp_layout import (CPLayoutError, document_order, gather_sequence, pad_to_multiple, shard,
+from gradsched.cp.layout import (CPLayoutError, document_order, gather_sequence, pad_to_multiple, shard,
                                  shard_causal_lm_batch, shard_index, shift_labels, unshard)
 from gradsched.launch import run_ranks
 

@@ -8,8 +8,8 @@ import transformers
 from gradsched.hf import CausalLM, UnsupportedAttention
 from gradsched.masks import attention
 from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
-from gradsched.report import attention_report
-from gradsched.ring_attention import RingAttentionError, check_attention_call, ring_attention
+from gradsched.sync.report import attention_report
+from gradsched.cp.ring_attention import RingAttentionError, check_attention_call, ring_attention
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, bos_token_id=0, eos_token_id=0, pad_token_id=None)

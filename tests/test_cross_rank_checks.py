@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from gradsched.fingerprint import CollectiveMismatch, compare_sequences
+from gradsched.sync.fingerprint import CollectiveMismatch, compare_sequences
 from gradsched.launch import RankFailed, run_ranks
 from tied_training import Job, rank_main
 

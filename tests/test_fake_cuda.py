@@ -21,9 +21,9 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from gradsched.options import SyncOptions
 from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
 from gradsched.passes.grad_ready_order import grad_ready_order
-from gradsched.ring_attention import check_attention_call, ring_attention
-from gradsched.sync_graphs import backward_sync_graph, flush_sync_graph
-from gradsched.sync_plan import Group, plan_sync
+from gradsched.cp.ring_attention import check_attention_call, ring_attention
+from gradsched.sync.sync_graphs import backward_sync_graph, flush_sync_graph
+from gradsched.sync.sync_plan import Group, plan_sync
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FACTORIES = {"zeros", "empty", "ones", "full", "arange", "randn", "rand", "randint", "tensor", "eye",

@@ -4,15 +4,15 @@ tests/test_ring_attention.py (what torch's own fused attention achieves on the s
 device and inputs). `make gpu-test` runs these; without a GPU they are skipped.
 
 The ring runs simulated (every rank in turn on the one device: the same blocks, merges and
-sums as the ring over NCCL, see gradsched.ring_simulation.simulate_ring).
+sums as the ring over NCCL, see gradsched.cp.ring_simulation.simulate_ring).
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradsched.ring_attention import RingAttentionError
-from gradsched.ring_simulation import simulate_ring
+from gradsched.cp.ring_attention import RingAttentionError
+from gradsched.cp.ring_simulation import simulate_ring
 from tests.test_ring_attention import check_accuracy, fp64_attention
 
 pytestmark = [pytest.mark.gpu,
@@ -100,8 +100,8 @@ def _mean_err(x, ref):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_triton_block_kernel_beats_the_flash_kernels_own_error(dtype, causal, precise):
-    from gradsched import triton_attention
-    from gradsched.attention_kernels import attend, attend_backward
+    from gradsched.cp import triton_attention
+    from gradsched.cp.attention_kernels import attend, attend_backward
 
     q, k, v, dout = cuda_inputs(dtype, 8, seq=1024, seed=13, dim=128)
     scale = 128 ** -0.5
@@ -119,7 +119,7 @@ def test_triton_block_kernel_beats_the_flash_kernels_own_error(dtype, causal, pr
 
 
 def test_triton_block_kernel_compiles_inside_torch_compile():
-    from gradsched import triton_attention
+    from gradsched.cp import triton_attention
 
     q, k, v, dout = cuda_inputs(torch.bfloat16, 8, seq=512, seed=14)
 

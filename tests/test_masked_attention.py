@@ -8,7 +8,7 @@ tests/test_ring_attention.py, within what the single-device kernel (the CPU flas
 same mask over the whole sequence) achieves on the same inputs.
 
 "balanced" masks run the document-balanced layout (load_balance="documents"): the sequence is first
-reordered by gradsched.cp_layout.document_order and the documents handed over as seq_idx; the results
+reordered by gradsched.cp.layout.document_order and the documents handed over as seq_idx; the results
 are put back in natural order before the comparison, so the reference never sees the reordering.
 """
 from __future__ import annotations
@@ -19,12 +19,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import document_order, shard, unshard
+from gradsched.cp.layout import document_order, shard, unshard
 from gradsched.masks import attention, document_ids, positions_from_cu_seqlens
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, ring_attention
-from gradsched.ring_checks import check_masked_call
-from gradsched.ring_simulation import simulate_ring
+from gradsched.cp.ring_attention import RingAttentionError, ring_attention
+from gradsched.cp.comm import check_masked_call
+from gradsched.cp.ring_simulation import simulate_ring
 from tests.test_ring_attention import check_accuracy
 
 B, HQ, KV, S, D = 2, 4, 2, 64, 16

@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from gradsched.parallel import _check_first_stage_inputs
+from gradsched.pipeline_split import check_first_stage_inputs
 from gradsched.user_errors import StageError
 
 
@@ -30,9 +30,9 @@ def split(model):
 
 
 def test_inputs_used_in_call_order_are_accepted():
-    _check_first_stage_inputs(split(TwoInputs(positions_first=False)), "TwoInputs")
+    check_first_stage_inputs(split(TwoInputs(positions_first=False)), "TwoInputs")
 
 
 def test_inputs_used_out_of_call_order_are_refused_instead_of_swapped():
     with pytest.raises(StageError, match=r"order \['positions', 'tokens'\].*called with \['tokens', 'positions'\]"):
-        _check_first_stage_inputs(split(TwoInputs(positions_first=True)), "TwoInputs")
+        check_first_stage_inputs(split(TwoInputs(positions_first=True)), "TwoInputs")

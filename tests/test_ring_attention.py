@@ -1,4 +1,4 @@
-"""Ring attention (gradsched.ring_attention) against attention over the whole sequence.
+"""Ring attention (gradsched.cp.ring_attention) against attention over the whole sequence.
 
 References are independent of the ring: softmax(QK^T)V in float64 over the full
 sequence, with autograd for dq/dk/dv. Accuracy bound: the ring's error against that
@@ -26,10 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import gather_sequence, shard, unshard
+from gradsched.cp.layout import gather_sequence, shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, ring_attention
-from gradsched.ring_simulation import simulate_ring
+from gradsched.cp.ring_attention import RingAttentionError, ring_attention
+from gradsched.cp.ring_simulation import simulate_ring
 
 B, HQ, S, D = 1, 4, 32, 16
 

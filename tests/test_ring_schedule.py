@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import gradsched.ring_blocks as blocks
-from gradsched.ring_schedule import Ring, fast_roundings, fewest_roundings_default, forward_ends, plan_calls
-from gradsched.ring_simulation import rank_forward
-from gradsched.cp_layout import shard
+import gradsched.cp.ring_blocks as blocks
+from gradsched.cp.ring_schedule import Ring, fast_roundings, fewest_roundings_default, forward_ends, plan_calls
+from gradsched.cp.ring_simulation import rank_forward
+from gradsched.cp.layout import shard
 
 S, H, D = 96, 2, 8
 

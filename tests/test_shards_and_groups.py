@@ -2,10 +2,10 @@
 import pytest
 import torch
 
-from gradsched.param_groups import options_by_name, weight_decay_groups
+from gradsched.training.param_groups import options_by_name, weight_decay_groups
 from gradsched.passes.bucketing import plan_buckets
 from gradsched.passes.grad_ready_order import GradSpec
-from gradsched.shards import owned_pieces
+from gradsched.training.shards import owned_pieces
 
 READY = [GradSpec("a", (5, 3), torch.float32, 0), GradSpec("b", (7,), torch.float32, 1),
          GradSpec("c", (4, 4), torch.float32, 2)]

@@ -3,10 +3,10 @@ import pytest
 import torch
 
 from gradsched.passes.grad_ready_order import GradSpec
-from gradsched.preflight import check_backward_graph
-from gradsched.stage_setup import StageSetup, resolve_placement
-from gradsched.sync_plan import Group
-from gradsched.ties import Tie, TieMismatch
+from gradsched.sync.preflight import check_backward_graph
+from gradsched.sync.stage_setup import StageSetup, resolve_placement
+from gradsched.sync.sync_plan import Group
+from gradsched.sync.ties import Tie, TieMismatch
 
 READY = [GradSpec("head.weight", (8, 4), torch.float32, 0), GradSpec("w", (4, 4), torch.float32, 1)]
 

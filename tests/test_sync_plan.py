@@ -3,7 +3,7 @@ import torch
 
 from gradsched.options import SyncOptions
 from gradsched.passes.grad_ready_order import GradSpec
-from gradsched.sync_plan import Group, plan_sync
+from gradsched.sync.sync_plan import Group, plan_sync
 
 READY = [GradSpec("head", (64, 8), torch.float32, 0), GradSpec("w", (8, 8), torch.bfloat16, 1),
          GradSpec("b", (8,), torch.bfloat16, 2)]

@@ -1,4 +1,4 @@
-"""The Triton block kernel (gradsched.triton_attention) against attention computed in float64:
+"""The Triton block kernel (gradsched.cp.triton_attention) against attention computed in float64:
 under TRITON_INTERPRET=1 on the CPU, or compiled on the GPU where there is one (the same checks;
 references and bounds always on the CPU).
 
@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("triton", reason="the Triton kernel tests need triton (make installs it)")
 
-from gradsched import triton_attention  # noqa: E402
+from gradsched.cp import triton_attention  # noqa: E402
 
 H, D = 2, 32
 

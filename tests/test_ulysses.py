@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsched.cp_layout import shard, unshard
+from gradsched.cp.layout import shard, unshard
 from gradsched.launch import run_ranks
-from gradsched.ring_attention import RingAttentionError, ring_attention
-from gradsched.ring_checks import check_attention_call
+from gradsched.cp.ring_attention import RingAttentionError, ring_attention
+from gradsched.cp.comm import check_attention_call
 from test_ring_attention import HQ, S, check_accuracy, fp64_attention, inputs, single_device
 
 CASES = {  # name -> (dtype, causal, kv heads, load_balance)

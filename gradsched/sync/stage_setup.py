@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from .options import SyncOptions
-from .plan import ParallelPlan
-from .sync_plan import Group
-from .ties import Tie
+from gradsched.options import SyncOptions
+from gradsched.plan import ParallelPlan
+from gradsched.sync.sync_plan import Group
+from gradsched.sync.ties import Tie
 
 
 @dataclass(frozen=True)

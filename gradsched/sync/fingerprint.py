@@ -74,7 +74,7 @@ def exchange_and_check(setup, gm: fx.GraphModule, layouts: dict, ties: dict, par
 
     Returns (tie key -> the other members' layouts, tie key -> {rank: identities of
     the tie group's collectives in that rank's issue order}) for the verifier."""
-    from .stage_setup import process_group
+    from gradsched.sync.stage_setup import process_group
     seqs = sequence(gm)
     groups = [("gradient group", setup.grad_group, None, None)]
     for name, tie in sorted(ties.items(), key=lambda kv: kv[1].key):

@@ -1,12 +1,12 @@
 """Block attention kernels: one call over a block of keys, returning its log-sum-exp.
 
-The ring (gradsched.ring_attention) folds block results together through their LSE, so
+The ring (gradsched.cp.ring_attention) folds block results together through their LSE, so
 it needs kernels that return it, and a backward that takes the merged out and LSE of
 the whole row. Which aten kernel runs is a function of the device, the operand dtype
 and whether the block needs a mask tensor (`choose_kernel`):
 
     cpu                          _scaled_dot_product_flash_attention_for_cpu (any dtype, mask)
-    cuda, fp16/bf16, no mask,    gradsched.triton_attention: bf16/fp16 operands, fp32 out and
+    cuda, fp16/bf16, no mask,    gradsched.cp.triton_attention: bf16/fp16 operands, fp32 out and
       fp32 accumulation, triton    fp32 dq/dk/dv, so the ring rounds each result once
     cuda, fp16/bf16, no mask     _scaled_dot_product_flash_attention (tensor cores)
     cuda, fp32 or a mask         _scaled_dot_product_efficient_attention
@@ -25,7 +25,7 @@ import os
 
 import torch
 
-from gradsched import triton_attention
+from gradsched.cp import triton_attention
 
 KERNELS = ("cpu_flash", "cuda_flash", "cuda_efficient", "triton_fp32")
 FP32_MODES = ("fp32", "fp32_blocks")

@@ -7,7 +7,7 @@ At compile time (`check_backward_graph`, local, no communication):
   - every tied parameter of this stage gets a gradient in its backward graph.
 
 Before a sync graph's first collective (`check_sync_graph`):
-  - the cross-rank check (gradsched.fingerprint) over each group the graph talks to: the
+  - the cross-rank check (gradsched.sync.fingerprint) over each group the graph talks to: the
     same collectives, matched by identity, on every rank; tied copies of one shape and dtype;
   - the verifier (gradsched.passes.verify), per tie, from every member's layout;
   - a hazard is refused unless allow_hazard=True.
@@ -23,11 +23,11 @@ import warnings
 from gradsched.passes import GradSpec, TieCheck, TieLayout, verify_graph
 from gradsched.passes.verify import TiedGradientHazard, Verdict, graph_to_json
 
-from . import fingerprint
-from .options import SyncOptions
-from .stage_setup import StageSetup
-from .sync_plan import SyncPlan
-from .ties import TieMismatch
+from gradsched.sync import fingerprint
+from gradsched.options import SyncOptions
+from gradsched.sync.stage_setup import StageSetup
+from gradsched.sync.sync_plan import SyncPlan
+from gradsched.sync.ties import TieMismatch
 
 
 def check_backward_graph(setup: StageSetup, ready: list[GradSpec], first: list[GradSpec] | None) -> None:
@@ -54,7 +54,7 @@ def check_backward_graph(setup: StageSetup, ready: list[GradSpec], first: list[G
 
 
 def check_sync_graph(setup: StageSetup, plan: SyncPlan, graph, params: dict, options: SyncOptions) -> Verdict:
-    """Cross-rank check and verifier for one built sync graph (gradsched.stage_build.SyncGraph);
+    """Cross-rank check and verifier for one built sync graph (gradsched.sync.stage_build.SyncGraph);
     raises on a mismatch or, without allow_hazard, a hazard. Every rank of the graph's groups
     calls it before the graph's first collective."""
     names = {s.name for b in graph.layout.buckets for s in b.slots}

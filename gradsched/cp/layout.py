@@ -10,12 +10,12 @@ of cp.
 
 Document-balanced layout (load_balance="documents", for packed documents): the head-tail cut
 balances ONE causal sequence; with packed documents a rank holding the ends of long documents
-works more (gradsched.cp_balance measures it). So each batch row is first reordered, from its
+works more (gradsched.cp.balance measures it). So each batch row is first reordered, from its
 own position ids, into a sequence whose head-tail cut gives every rank a near-equal share of
 every document: document d is cut into 2cp consecutive pieces of floor or ceil(len_d / 2cp)
 tokens, piece k going into the k-th of 2cp equal chunks (`document_order`). Within a document
 the order of its tokens is kept, so causality is still sequence order; documents are no longer
-contiguous, so the model is told them explicitly (`seq_idx`, gradsched.masks) and a window is
+contiguous, so the model is told them explicitly (`seq_idx`, gradsched.cp.masks) and a window is
 measured on positions.
 
 Everything a rank feeds the model is cut the same way, so each token keeps its own
@@ -33,9 +33,6 @@ import torch
 
 class CPLayoutError(ValueError):
     """A sequence that cannot be cut into the context-parallel layout."""
-
-
-LOAD_BALANCE = (True, False, "documents")  # the values of the load_balance option
 
 
 def rank_chunks(rank: int, cp: int, load_balance: bool = True) -> tuple[int, ...]:
@@ -99,7 +96,7 @@ def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
 
     Each document's remainder tokens (len mod 2cp) go one each to consecutive chunks, carried on
     cyclically from the previous document, so that every chunk ends with exactly S / 2cp tokens."""
-    from gradsched.masks import document_ids
+    from gradsched.cp.masks import document_ids
 
     _check(position_ids.shape[-1], cp, True)
     return torch.stack([_row_order(doc, 2 * cp) for doc in document_ids(position_ids)])
@@ -123,7 +120,7 @@ def balance_documents(position_ids: torch.Tensor, cp: int, *tensors: torch.Tenso
     """(seq_idx, the tensors) of each row reordered into the document-balanced sequence, to be cut
     by `shard` with load_balance=True. tensors: [B or 1, S, ...] per-token (inputs, position ids,
     targets already shifted, padding); seq_idx [B, S]: each token's document."""
-    from gradsched.masks import document_ids
+    from gradsched.cp.masks import document_ids
 
     order = document_order(position_ids, cp)
     rows = order.shape[0]

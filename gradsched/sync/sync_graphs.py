@@ -11,7 +11,7 @@ Given the stage's SyncPlan (buckets and placement, from `plan_sync`):
 
 Each returns the graph and the pass's SyncRecord, which says how to feed and read it. The
 verifier runs later, before the graph's first collective, when the other ranks' layouts are
-known (gradsched.preflight). `GRADSCHED_PRINT_GRAPHS=1` prints the graphs before and after.
+known (gradsched.sync.preflight). `GRADSCHED_PRINT_GRAPHS=1` prints the graphs before and after.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from gradsched.passes import insert_grad_sync, sink_waits
 from gradsched.passes.grad_sync import SyncRecord
 
-from .sync_plan import SyncPlan
+from gradsched.sync.sync_plan import SyncPlan
 
 
 def backward_sync_graph(bw_gm: fx.GraphModule, plan: SyncPlan, accumulate: bool) -> tuple[fx.GraphModule, SyncRecord]:

@@ -2,8 +2,8 @@
 
 The sync graph leaves, per bucket, this rank's reduced gradient shard. The optimizer
 holds an fp32 master copy of each piece of a parameter that the shard holds
-(gradsched.shards), steps them with the wrapped torch.optim optimizer, one parameter
-group per set of options (gradsched.param_groups), then all-gathers the buckets in the
+(gradsched.training.shards), steps them with the wrapped torch.optim optimizer, one parameter
+group per set of options (gradsched.training.param_groups), then all-gathers the buckets in the
 parameters' dtype and writes the parameters back. Only elementwise optimizers give on
 pieces what they give on whole tensors, so only those are accepted (ELEMENTWISE).
 Tied copies receive identical gradients and options, so they stay equal.
@@ -13,17 +13,13 @@ the optimizer is an ordinary one over the full parameters, grouped the same way.
 """
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .param_groups import options_by_name
-from .shards import owned_pieces
-from .stage_setup import process_group
-
-_SHARDED = weakref.WeakValueDictionary()  # id -> parameter whose gradient only exists as shards
+from gradsched.training.param_groups import options_by_name
+from gradsched.training.shards import owned_pieces
+from gradsched.sync.runtime import find_sync
+from gradsched.sync.stage_setup import process_group
 
 # Their update of an element reads only that element's gradient, state and value: stepping a
 # rank's pieces equals stepping the whole tensors. (Adafactor, LBFGS, SparseAdam, Muon and the
@@ -31,26 +27,6 @@ _SHARDED = weakref.WeakValueDictionary()  # id -> parameter whose gradient only 
 ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
     "SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
     if hasattr(torch.optim, n))
-
-
-def mark_sharded(params) -> None:
-    for p in params:
-        _SHARDED[id(p)] = p
-
-
-def is_sharded(p) -> bool:
-    return _SHARDED.get(id(p)) is p  # by identity: tensors' == is elementwise
-
-
-def _refuse_full_parameter_step(optimizer, args, kwargs):
-    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
-            ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "
-            f"torch.optim.{type(optimizer).__name__}, ...) instead, or shard=False for plain data parallel.")
-
-
-register_optimizer_step_pre_hook(_refuse_full_parameter_step)
 
 
 def _all_gather(out, x, group):
@@ -62,7 +38,7 @@ class DistributedOptimizer:
     """DistributedOptimizer(model, torch.optim.AdamW, lr=..., param_groups=None, ...).
 
     param_groups: None (one group), a function (name, parameter) -> options, or torch-style
-    groups listing names or Parameters (see gradsched.param_groups)."""
+    groups listing names or Parameters (see gradsched.training.param_groups)."""
 
     def __init__(self, model, optimizer_class, param_groups=None, **optimizer_kwargs):
         if isinstance(optimizer_class, torch.optim.Optimizer):
@@ -80,15 +56,14 @@ class DistributedOptimizer:
         self.model = model
         self.optimizer_class, self.kwargs, self.param_groups = optimizer_class, optimizer_kwargs, param_groups
         self.optimizer = None
-        self.pieces = []  # this rank's pieces of the parameters (gradsched.shards.Piece), in layout order
+        self.pieces = []  # this rank's pieces of the parameters (gradsched.training.shards.Piece), in layout order
         self.masters: list[torch.nn.Parameter] = []  # their fp32 master copies, in the same order
-        self.restore_from = None  # (checkpoint dir, its metadata): gradsched.load sets it, the build reads it
+        self.restore_from = None  # restore_from(optimizer, sync): gradsched.load sets it, the build calls it
 
     @property
     def sync(self):
         """The GradSync reducing the model's gradients: a ParallelModel's (built at its first step), or,
         for torch.compile(model, backend="gradsched"), the one the backend attached to its parameters."""
-        from .runtime import find_sync  # the runtime imports this module
         sync = find_sync(self.model)
         if sync is None or sync.sync_plan is None:
             raise RuntimeError("DistributedOptimizer.step() before the model's first forward and backward: the "
@@ -126,10 +101,8 @@ class DistributedOptimizer:
 
     def _restore(self, sync) -> None:
         if self.restore_from is not None:  # a checkpoint was loaded: its masters and state, for this layout
-            from .checkpoint import restore_into
-            where, md = self.restore_from
-            self.restore_from = None
-            restore_into(self, sync, where, md)
+            restore, self.restore_from = self.restore_from, None
+            restore(self, sync)
 
     @torch.no_grad()
     def step(self, lr_scale: float | None = None):
@@ -213,9 +186,8 @@ def _groups(keys, options: dict, tensor_of) -> list[dict]:
 def unsplit_module(model) -> torch.nn.Module:
     """The model as the user built it: a ParallelModel's unsplit model, a torch.compile'd model's
     original module, or the module itself."""
-    from .parallel import ParallelModel  # parallel imports the runtime, which imports this module
-    if isinstance(model, ParallelModel):
-        return model.model
+    if callable(getattr(type(model), "unsplit_module", None)):  # a ParallelModel
+        return model.unsplit_module()
     return getattr(model, "_orig_mod", model)
 
 

@@ -19,7 +19,7 @@ from gradsched.passes import SyncSpec, place_buckets, plan_buckets
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_ready_order import GradSpec
 
-from .options import SyncOptions
+from gradsched.options import SyncOptions
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The ring with masks: sliding windows, packed documents and padding (see gradsched.masks).
+"""The ring with masks: sliding windows, packed documents and padding (see gradsched.cp.masks).
 
 What a block of (local row chunk, visiting K/V chunk) sees follows from two things:
 - the layout and the window, known when the graph is built: a block is `empty` (every key
@@ -37,12 +37,12 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
-from gradsched.cp_layout import layout_order, rank_chunks
-from gradsched.masks import token_masks, visible
-from gradsched.ring_blocks import (add_kv_grads, expand_heads, flat_kv, pop_kv_grads, reduce_heads, unflat_kv,
-                                   unflat_kv_grads)
-from gradsched.ring_schedule import acc_dtype, rounds_results
+from gradsched.cp.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
+from gradsched.cp.layout import layout_order, rank_chunks
+from gradsched.cp.masks import token_masks, visible
+from gradsched.cp.ring_blocks import (add_kv_grads, expand_heads, flat_kv, merge_block, pop_kv_grads, reduce_heads,
+                                      unflat_kv, unflat_kv_grads)
+from gradsched.cp.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
 
@@ -197,18 +197,6 @@ def _keys(pieces, kvs, parts: int):
     return (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))
 
 
-def _merge(out, lse, block_out, block_lse, dtype):
-    """gradsched.ring_blocks.merge_block with rows that have seen nothing yet (LSE -inf)."""
-    block_out = block_out.to(dtype)
-    if out is None:
-        return block_out, block_lse
-    joint = torch.logaddexp(lse, block_lse)
-    safe = torch.where(torch.isinf(joint), torch.zeros_like(joint), joint)
-    w_run = torch.exp(lse - safe).unsqueeze(-1).to(dtype)
-    w_blk = torch.exp(block_lse - safe).unsqueeze(-1).to(dtype)
-    return out * w_run + block_out * w_blk, joint
-
-
 # ---- one rank's forward and backward, whatever moves the K/V ---------------------------------
 
 def rank_forward(ring: MaskedRing, q, kv_at, tokens):
@@ -231,7 +219,7 @@ def rank_forward(ring: MaskedRing, q, kv_at, tokens):
             if none is not None:  # kernels give such rows LSE 0 (CPU) or NaN (some CUDA kernels): neither merges
                 lse = lse.masked_fill(none, float("-inf"))
                 out = out.masked_fill(none[..., None], 0.0)
-            state[p] = list(_merge(state[p][0], state[p][1], out, lse, dtype))
+            state[p] = list(merge_block(state[p][0], state[p][1], out, lse, dtype, empty_rows=True))
     outs, lses = [], []
     for p, (out, lse) in enumerate(state):
         if out is None:  # nothing visible to this row chunk anywhere

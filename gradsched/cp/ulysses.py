@@ -9,9 +9,9 @@ that trace under torch.compile.
 It needs the query heads divisible by cp, and the key/value heads divisible by cp, or
 dividing it: then each key/value head is repeated cp / kv_heads times before the
 all-to-all, so each rank receives the one head its query heads read (GQA groups stay
-whole). Other head counts are refused (gradsched.ring_checks) with the ring as the way out.
+whole). Other head counts are refused (gradsched.cp.comm) with the ring as the way out.
 
-Ranks hold their tokens in gradsched.cp_layout's order (with load_balance, chunks r and
+Ranks hold their tokens in gradsched.cp.layout's order (with load_balance, chunks r and
 2cp-1-r), so the gathered sequence is put into natural order before the attention (a
 causal mask is a mask of positions) and back after.
 """
@@ -20,9 +20,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gradsched.cp_layout import layout_order
-from gradsched.masks import visible
-from gradsched.ring_masked import gather_tokens
+from gradsched.cp.layout import layout_order
+from gradsched.cp.masks import visible
+from gradsched.cp.ring_masked import gather_tokens
 
 _c10d = torch.ops._c10d_functional
 
@@ -104,7 +104,7 @@ def ulysses_attention(q, k, v, group_name: str, cp: int, *, causal: bool, scale:
                       key_padding=None, seq_idx=None) -> torch.Tensor:
     """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's tokens in the cp_layout order; returns
     out [B, Hq, L, Dv] in the same order. A window, documents (position_ids) or padding
-    (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.masks)."""
+    (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.cp.masks)."""
     mask = None
     if window is not None or position_ids is not None or key_padding is not None or seq_idx is not None:
         seq = q.shape[2] * cp

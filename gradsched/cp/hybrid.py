@@ -1,9 +1,9 @@
 """Hybrid context parallelism (comm="hybrid"): all-to-all over a sub-group, ring over the rest.
 
 The CP group of cp = a * r ranks splits into all-to-all groups of a consecutive ranks and ring
-groups across them (gradsched.cp_groups). An all-to-all (Ulysses, gradsched.ulysses) turns each
+groups across them (gradsched.cp.groups). An all-to-all (Ulysses, gradsched.cp.ulysses) turns each
 rank's slice of the sequence for every head into its group's joint slice for a-th of the heads;
-the ring (gradsched.ring_attention, masks included) runs over the r groups on those heads; a
+the ring (gradsched.cp.ring_attention, masks included) runs over the r groups on those heads; a
 second all-to-all turns the output back. With a = cp it is Ulysses, with a = 1 the ring.
 
 Why it needs no layout of its own: in the load-balanced layout over cp ranks (rank i holds chunks
@@ -15,14 +15,14 @@ already consecutive.
 
 GQA: key/value heads are split over the a ranks when a divides them, else (a multiple of them)
 each is repeated to the ranks whose query heads read it, as in Ulysses; the ring takes the
-grouped heads as they are. gradsched.ring_checks refuses other head counts.
+grouped heads as they are. gradsched.cp.comm refuses other head counts.
 """
 from __future__ import annotations
 
 import torch
 
-from gradsched.cp_groups import hybrid_groups
-from gradsched.ulysses import _heads_to_seq, _KVToHeads, _Redistribute
+from gradsched.cp.groups import hybrid_groups
+from gradsched.cp.ulysses import _heads_to_seq, _KVToHeads, _Redistribute
 
 _c10d = torch.ops._c10d_functional
 
@@ -53,9 +53,9 @@ def _joint_tokens(t, a2a: int, group_name: str, order: torch.Tensor):
 def hybrid_attention(q, k, v, group_name: str, cp: int, a2a: int, *, ring_call, causal: bool, scale: float,
                      load_balance: bool, return_lse: bool = False, position_ids=None, key_padding=None,
                      seq_idx=None, **ring_kwargs):
-    """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's slice in gradsched.cp_layout's order over
+    """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's slice in gradsched.cp.layout's order over
     the CP group `group_name` (cp ranks); out in the same order (and the LSE if return_lse).
-    `ring_call` is gradsched.ring_attention.ring_attention (comm="ring" over the ring groups)."""
+    `ring_call` is gradsched.cp.ring_attention.ring_attention (comm="ring" over the ring groups)."""
     a2a_group, ring_group = hybrid_groups(group_name, a2a)
     L = q.shape[2]
     order = joint_order(a2a, L, load_balance, device=q.device)  # joint slot -> gathered index

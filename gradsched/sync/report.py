@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from gradsched.passes.context_parallel import effective_window
 from gradsched.passes.graph_utils import META_KEY, collective_group, collective_kind, is_collective
 
 
@@ -62,21 +63,20 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
 def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window, comm: str,
                a2a_degree: int | None = None, q_heads: int = 1, kv_heads: int = 1) -> list[int]:
     """The ring steps an attention call runs: all cp of them, fewer with a window shorter than the
-    sequence (gradsched.ring_masked skips the steps nobody needs); [] for a2a. Under hybrid the ring
+    sequence (gradsched.cp.ring_masked skips the steps nobody needs); [] for a2a. Under hybrid the ring
     runs over cp / a2a_degree ranks on the joint slices of an all-to-all group. Under
     load_balance="documents" every document is spread over the sequence: a window skips nothing."""
-    from gradsched.cp_comm import resolve_comm
-    from gradsched.ring_masked import MaskedRing
+    from gradsched.cp.comm import resolve_comm
+    from gradsched.cp.ring_masked import MaskedRing
     if comm == "auto" or (comm == "hybrid" and a2a_degree is None):
         choice = resolve_comm(comm, a2a_degree, call="report", q_heads=q_heads, kv_heads=kv_heads, cp=cp,
-                              masked=window is not None and window < local_len * cp, causal=causal)
+                              masked=effective_window(window, local_len * cp) is not None, causal=causal)
         comm, a2a_degree = choice.comm, choice.a2a
     if comm == "a2a":
         return []
     a = a2a_degree if comm == "hybrid" else 1
     ring_cp, joint = cp // a, local_len * a
-    if window is not None and window >= joint * ring_cp:
-        window = None
+    window = effective_window(window, joint * ring_cp)
     parts = 2 if load_balance and ring_cp > 1 else 1
     return MaskedRing(0, ring_cp, causal, bool(load_balance), 1.0, "fp32", joint // parts, window,
                       window_on_positions=load_balance == "documents").steps()

@@ -1,5 +1,5 @@
 """The ring, every rank in turn, in one process: the same blocks, merges and sums in the same
-order as gradsched.ring_attention (bit for bit with comm="ring"), without a process group.
+order as gradsched.cp.ring_attention (bit for bit with comm="ring"), without a process group.
 For numerics against fp64 and for timing one rank's compute against the limit.
 """
 from __future__ import annotations
@@ -9,15 +9,15 @@ from dataclasses import dataclass
 
 import torch
 
-from gradsched.ring_blocks import (backward_window, finish_forward, forward_window, pop_kv_grads, row_chunks,
-                                   rows_for_backward, unflat_kv_grads)
-from gradsched.cp_layout import shard, unshard
-from gradsched.masks import check_mask_args
-from gradsched.ring_checks import check_attention_call, check_masked_call, unsupported
-from gradsched.ring_masked import MaskedRing, natural_tokens
-from gradsched.ring_masked import rank_backward as masked_backward
-from gradsched.ring_masked import rank_forward as masked_forward
-from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, fewest_roundings_default, forward_ends, window_ends
+from gradsched.cp.ring_blocks import (backward_window, finish_forward, forward_window, pop_kv_grads, row_chunks,
+                                      rows_for_backward, unflat_kv_grads)
+from gradsched.cp.layout import shard, unshard
+from gradsched.cp.masks import check_mask_args, normalize_masks
+from gradsched.cp.comm import check_attention_call, check_masked_call, unsupported
+from gradsched.cp.ring_masked import MaskedRing, natural_tokens
+from gradsched.cp.ring_masked import rank_backward as masked_backward
+from gradsched.cp.ring_masked import rank_forward as masked_forward
+from gradsched.cp.ring_schedule import BACKWARD_WINDOW, Ring, fewest_roundings_default, forward_ends, window_ends
 
 def _cut(x, cp: int, load_balance: bool) -> list[torch.Tensor]:
     """Every rank's shard of a whole-sequence [B, H, S, D] tensor, in rank order."""
@@ -110,7 +110,7 @@ def masked_rings(q, cp: int, causal: bool, load_balance: bool, scale: float, acc
 def simulate_masked_ring(q, k, v, cp: int, causal: bool, accumulate: str, *, scale: float, load_balance: bool,
                          grad_out, fewest_roundings: bool, window, position_ids, key_padding,
                          seq_idx=None) -> SimResult:
-    """simulate_ring with masks: gradsched.ring_masked's blocks, merges and sums on every rank in
+    """simulate_ring with masks: gradsched.cp.ring_masked's blocks, merges and sums on every rank in
     turn, dK/dV summed at their owner in step order, as the ring sums them."""
 
     check_mask_args("simulate_ring", causal=causal, window=window, position_ids=position_ids,
@@ -165,16 +165,12 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
     are cut into the cp_layout shards, every rank's steps run in turn, and the results
     are put back in natural order. Masks (window, position_ids, key_padding, seq_idx:
-    gradsched.masks) over the whole sequence in sequence order run the masked ring
-    (gradsched.ring_masked).
+    gradsched.cp.masks) over the whole sequence in sequence order run the masked ring
+    (gradsched.cp.ring_masked).
     """
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
-    if window is not None and window >= q.shape[2]:
-        window = None
-    if seq_idx is not None and window is None:
-        position_ids = None  # explicit documents: positions would only measure the window
-    masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
+    window, position_ids, masked = normalize_masks(q.shape[2], window, position_ids, key_padding, seq_idx)
     fewest_roundings = _checked("simulate_ring", q, k, v, cp, causal, load_balance, accumulate, fewest_roundings,
                                 masked)
     if masked:

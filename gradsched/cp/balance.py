@@ -1,10 +1,10 @@
 """How evenly a context-parallel layout spreads attention work: visible (query, key) pairs per rank.
 
-The load-balanced layout (gradsched.cp_layout: rank r holds chunks r and 2cp-1-r) gives every rank the
+The load-balanced layout (gradsched.cp.layout: rank r holds chunks r and 2cp-1-r) gives every rank the
 same causal work over ONE sequence. Packed documents break that: a query sees only its own document, so
 a rank holding the ends of long documents does more than one holding short ones. This measures it, for
 the head-tail layout and for the document-balanced one (load_balance="documents": every rank holds a
-near-equal piece of every document, gradsched.cp_layout.document_order).
+near-equal piece of every document, gradsched.cp.layout.document_order).
 
 Visible pairs are the work of a kernel that skips what the mask hides (flash-attn's varlen, a
 block-sparse kernel); the CPU kernel with a mask tensor computes the whole block either way.
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from gradsched.cp_layout import document_order, shard_index
-from gradsched.masks import document_ids, visible
+from gradsched.cp.layout import document_order, shard_index
+from gradsched.cp.masks import document_ids, visible
 
 
 def pairs_per_rank(position_ids: torch.Tensor, cp: int, *, load_balance: bool | str = True, causal: bool = True,

@@ -1,6 +1,6 @@
-"""The block math of one ring window on one rank: kernel calls (gradsched.attention_kernels),
+"""The block math of one ring window on one rank: kernel calls (gradsched.cp.attention_kernels),
 the LSE merge of block outputs, and the dq/dK/dV sums, in the accumulation dtype
-(see gradsched.ring_attention's "Numerics"). Shared by the ring and the simulation.
+(see gradsched.cp.ring_attention's "Numerics"). Shared by the ring and the simulation.
 """
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import math
 
 import torch
 
-from gradsched.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
-from gradsched.ring_schedule import Piece, Ring, plan_calls, rounds_results
+from gradsched.cp.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
+from gradsched.cp.ring_schedule import Piece, Ring, plan_calls, rounds_results
 
 def expand_heads(x, q_heads: int):
     """K/V with kv heads -> q heads (head j of q reads kv head j // groups), for the kernel."""
@@ -28,19 +28,22 @@ def reduce_heads(g, kv_heads: int, dtype: torch.dtype):
     return g.view(b, kv_heads, h // kv_heads, n, d).sum(2)
 
 
-def merge_block(out, lse, block_out, block_lse, dtype: torch.dtype):
+def merge_block(out, lse, block_out, block_lse, dtype: torch.dtype, empty_rows: bool = False):
     """Fold one block's normalised attention into a running result (None: the first block).
 
     Both are softmax-normalised over their own keys; weighting each by exp(its LSE -
     the joint LSE) gives attention over the union of keys. `out` is kept in `dtype`,
-    LSE in float32. The same function serves the ring and the simulation.
+    LSE in float32. The same function serves the ring, the masked ring and the simulation.
+    empty_rows: some rows may have seen no key yet (LSE -inf on both sides, under masks);
+    their weights are then taken against 0 instead of -inf (which would give NaN).
     """
     block_out = block_out.to(dtype)
     if out is None:
         return block_out, block_lse
     joint = torch.logaddexp(lse, block_lse)
-    w_run = torch.exp(lse - joint).unsqueeze(-1).to(dtype)
-    w_blk = torch.exp(block_lse - joint).unsqueeze(-1).to(dtype)
+    ref = torch.where(torch.isinf(joint), torch.zeros_like(joint), joint) if empty_rows else joint
+    w_run = torch.exp(lse - ref).unsqueeze(-1).to(dtype)
+    w_blk = torch.exp(block_lse - ref).unsqueeze(-1).to(dtype)
     return out * w_run + block_out * w_blk, joint
 
 
@@ -151,7 +154,7 @@ def add_kv_grads(grads: dict, step: int, index: int, dk, dv) -> None:
 
 def pop_kv_grads(grads: dict, step: int, parts: int, kshape, dtype, device):
     """The flat dK/dV of the K/V held at `step` (chunks no call touched: zeros), removed from
-    `grads`; None when no call touched that K/V. K and V have one shape (ring_checks refuses
+    `grads`; None when no call touched that K/V. K and V have one shape (comm.check_attention_call refuses
     other value head sizes: the block kernels take one)."""
     got = grads.pop(step, None)
     if got is None:

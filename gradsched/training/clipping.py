@@ -18,9 +18,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .runtime import find_sync
-from .shards import owned_pieces
-from .stage_setup import process_group
+from gradsched.sync.runtime import find_sync
+from gradsched.training.shards import owned_pieces
+from gradsched.sync.stage_setup import process_group
 
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6) -> torch.Tensor:

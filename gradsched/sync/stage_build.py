@@ -2,15 +2,15 @@
 
     build_stage(bw_gm, ...)        from the stage's AOT backward graph, in order:
       grad_ready_order               the order its gradients become ready
-      check_backward_graph           refusals that need no other rank (gradsched.preflight)
+      check_backward_graph           refusals that need no other rank (gradsched.sync.preflight)
       plan_sync                      the SyncPlan: buckets, groups, which graph reduces each
       compile the plain backward     earlier micro-batches: autograd accumulates in .grad
       backward_sync_graph            the last micro-batch's backward with its reductions
-                                     (gradsched.sync_graphs: insert_grad_sync, sink_waits)
+                                     (gradsched.sync.sync_graphs: insert_grad_sync, sink_waits)
       flush_sync_graph               the reductions that wait for the schedule to drain
 
 Returns a BuiltStage: plain data and compiled callables, which the executor
-(gradsched.runtime.GradSync) runs and nothing else builds.
+(gradsched.sync.runtime.GradSync) runs and nothing else builds.
 """
 from __future__ import annotations
 
@@ -24,12 +24,12 @@ from gradsched.passes import grad_ready_order
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_sync import SyncRecord
 
-from .compile import compile_graph
-from .options import SyncOptions
-from .preflight import check_backward_graph
-from .stage_setup import StageSetup
-from .sync_graphs import backward_sync_graph, flush_sync_graph
-from .sync_plan import SyncPlan, plan_sync
+from gradsched.sync.compile import compile_graph
+from gradsched.options import SyncOptions
+from gradsched.sync.preflight import check_backward_graph
+from gradsched.sync.stage_setup import StageSetup
+from gradsched.sync.sync_graphs import backward_sync_graph, flush_sync_graph
+from gradsched.sync.sync_plan import SyncPlan, plan_sync
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """GradSync: the executor of one stage's gradient sync. It runs graphs; it builds none.
 
 What it is handed:
-  StageSetup   (gradsched.stage_setup) the stage's groups, ties and placement, plain data;
-  BuiltStage   (gradsched.stage_build) the SyncPlan and the compiled graphs, built from the
+  StageSetup   (gradsched.sync.stage_setup) the stage's groups, ties and placement, plain data;
+  BuiltStage   (gradsched.sync.stage_build) the SyncPlan and the compiled graphs, built from the
                stage's backward graph when the backend compiles it (`register_backward`).
 
 What it runs, per step:
@@ -13,7 +13,7 @@ What it runs, per step:
   the flush      after the pipeline schedule has drained, the graph reducing the buckets placed
                  there (the tied ones under placement="split").
 
-Before a graph's first collective it runs that graph's checks (gradsched.preflight). The reduced
+Before a graph's first collective it runs that graph's checks (gradsched.sync.preflight). The reduced
 buckets of the step wait in `results` for the optimizer.
 """
 from __future__ import annotations
@@ -21,17 +21,19 @@ from __future__ import annotations
 import contextlib
 import time
 
+import weakref
+
 import torch
 import torch.fx as fx
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradsched.passes.verify import Verdict
 
-from . import report
-from .optimizer import mark_sharded
-from .options import SyncOptions
-from .preflight import check_sync_graph
-from .stage_build import BuiltStage, SyncGraph, build_stage
-from .stage_setup import StageSetup
+from gradsched.sync import report
+from gradsched.options import SyncOptions
+from gradsched.sync.preflight import check_sync_graph
+from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_stage
+from gradsched.sync.stage_setup import StageSetup
 
 
 class GradSync:
@@ -65,7 +67,7 @@ class GradSync:
     # ---- compile time: the backend hands over the stage's backward graph ------------------------
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter]):
-        """Build the stage's sync from this backward graph (gradsched.stage_build); return the
+        """Build the stage's sync from this backward graph (gradsched.sync.stage_build); return the
         callable to run as the backward."""
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built)
         self.built = built
@@ -170,6 +172,32 @@ class GradSync:
 
     def tied_bytes_per_step(self) -> int:
         return sum(report.tied_bytes(sg.gm) for sg in self.sync_graphs())
+
+# ---- parameters whose gradient only exists as shards ------------------------------------------
+# A GradSync with shard=True leaves no .grad on its parameters: an ordinary torch.optim optimizer
+# over them would step nothing. The first GradSync that shards installs a step pre-hook that says so.
+_SHARDED = weakref.WeakValueDictionary()  # id -> parameter
+_HOOK = []
+
+
+def mark_sharded(params) -> None:
+    for p in params:
+        _SHARDED[id(p)] = p
+    if not _HOOK:
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_full_parameter_step))
+
+
+def is_sharded(p) -> bool:
+    return _SHARDED.get(id(p)) is p  # by identity: tensors' == is elementwise
+
+
+def _refuse_full_parameter_step(optimizer, args, kwargs):
+    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+        raise RuntimeError(
+            f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
+            ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "
+            f"torch.optim.{type(optimizer).__name__}, ...) instead, or shard=False for plain data parallel.")
+
 
 
 def attach(sync: GradSync, params) -> None:

@@ -7,7 +7,7 @@ which gives attention over the whole sequence. The backward pass runs its own ri
 K/V travel again (only the local q, k, v, out and LSE are saved, so saved memory does
 not grow with cp), and the K/V gradients travel with them back to their owner.
 
-Layout (gradsched.cp_layout makes it): with causal attention and load_balance=True
+Layout (gradsched.cp.layout makes it): with causal attention and load_balance=True
 the sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so every
 rank does the same work. At ring step i rank r holds the K/V of rank s = (r - i) mod cp;
 the block it computes follows from the chunk positions (see `Ring.visible`):
@@ -20,7 +20,7 @@ Without load balancing (rank r holds chunk r of cp) the steps with s > r compute
 nothing, but their collectives still run: every rank issues the same collectives in
 the same order, whatever it computes.
 
-Kernel calls (gradsched.attention_kernels runs them): the blocks above are cut per local
+Kernel calls (gradsched.cp.attention_kernels runs them): the blocks above are cut per local
 row chunk. Blocks that are fully masked are never computed, and every diagonal block is a
 square the kernel computes with its own causal path (is_causal), so a rank computes what
 its rows see and nothing else. The fully visible blocks of a window of ring steps share
@@ -45,12 +45,12 @@ Numerics (`accumulate`):
 Everything in forward and backward is aten ops and `_c10d_functional` collectives, so
 the ring traces under torch.compile(fullgraph=True) and under AOTAutograd.
 
-Modules, one concern each: ring_checks (what the ring refuses), ring_schedule (which
-calls a rank makes), attention_kernels (the block kernel per backend), ring_blocks (one
-window's calls, merges and sums), this module (the collectives and the autograd
-Function), ring_simulation (every rank in turn in one process, for numerics and kernel
-timing; bit for bit the ring's results with comm="ring"). Other schemes: ulysses (comm="a2a"),
-hybrid (comm="hybrid", over cp_groups' sub-groups), cp_comm (which scheme runs, and comm="auto").
+Modules of gradsched.cp, one concern each: comm (which scheme runs a call, comm="auto", and
+what each refuses), ring_schedule (which calls a rank makes), attention_kernels (the block
+kernel per backend), ring_blocks (one window's calls, merges and sums), this module (the
+collectives and the autograd Function), ring_simulation (every rank in turn in one process,
+for numerics and kernel timing; bit for bit the ring's results with comm="ring"). Other
+schemes: ulysses (comm="a2a"), hybrid (comm="hybrid", over the sub-groups of groups).
 """
 from __future__ import annotations
 
@@ -59,13 +59,13 @@ import math
 import torch
 import torch.distributed as dist
 
-from gradsched.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
-                                   row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
-from gradsched.masks import check_mask_args
-from gradsched.ring_checks import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
-                                   check_masked_call)
-from gradsched.ring_masked import MaskedRingAttention
-from gradsched.ring_schedule import BACKWARD_WINDOW, Ring, forward_ends, fewest_roundings_default, window_ends
+from gradsched.cp.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
+                                      row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
+from gradsched.cp.masks import check_mask_args, normalize_masks
+from gradsched.cp.comm import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
+                               check_masked_call)
+from gradsched.cp.ring_masked import MaskedRingAttention
+from gradsched.cp.ring_schedule import BACKWARD_WINDOW, Ring, forward_ends, fewest_roundings_default, window_ends
 
 _c10d = torch.ops._c10d_functional
 
@@ -215,7 +215,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     """Attention of local q over the K/V of every rank of the CP group `group_name`.
 
     q: [B, Hq, L, D], k/v: [B, Hkv, L, D] with Hq a multiple of Hkv; each rank holds its
-    slice of the sequence in the layout of gradsched.cp_layout (same `load_balance`).
+    slice of the sequence in the layout of gradsched.cp.layout (same `load_balance`).
     Returns out [B, Hq, L, Dv] (and the LSE, float32 [B, Hq, L], if return_lse). `call`
     names the caller's attention call in errors. fewest_roundings: in a reduced dtype, join a
     row chunk's calls of a window, diagonal included (a bottom-right causal mask tensor), so
@@ -224,25 +224,21 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     schedule would round a row's output more than twice (cp > 4) or the call is masked
     (`fewest_roundings_default`).
 
-    Masks (gradsched.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
+    Masks (gradsched.cp.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
     a new one wherever positions do not step by 1) and `key_padding` (bool, False: a pad), the
     latter two [B or 1, L], this rank's slice in the same layout as q; `seq_idx` [B or 1, L]:
     explicit documents (the document-balanced layout), the window then measured on position_ids. The ring then runs
-    gradsched.ring_masked (steps with nothing to compute skipped); comm='a2a' applies the mask to
+    gradsched.cp.ring_masked (steps with nothing to compute skipped); comm='a2a' applies the mask to
     its whole-sequence call.
 
     comm='hybrid': all-to-all over groups of `a2a_degree` consecutive CP ranks (None: the largest the
-    heads allow), ring over the rest (gradsched.hybrid). comm='auto': gradsched.cp_comm picks.
+    heads allow), ring over the rest (gradsched.cp.hybrid). comm='auto': gradsched.cp.comm picks.
     """
     requested = fewest_roundings  # None: decided by the ring that runs (a hybrid's is smaller than cp)
     rank, cp = group_rank_and_size(group_name)
     check_mask_args(call, causal=causal, window=window, position_ids=position_ids, key_padding=key_padding,
                     seq_len=q.shape[2], batch=q.shape[0], seq_idx=seq_idx)
-    if window is not None and window >= q.shape[2] * cp:
-        window = None  # a window over the whole sequence is plain causal attention
-    if seq_idx is not None and window is None:
-        position_ids = None  # explicit documents: positions would only measure the window
-    masked = window is not None or position_ids is not None or key_padding is not None or seq_idx is not None
+    window, position_ids, masked = normalize_masks(q.shape[2] * cp, window, position_ids, key_padding, seq_idx)
     if fewest_roundings is None:
         fewest_roundings = fewest_roundings_default(q.device.type, cp, masked)
     choice = check_attention_call(call, q_heads=q.shape[1], kv_heads=k.shape[1], local_len=q.shape[2],
@@ -257,7 +253,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if comm == "hybrid" and 1 < choice.a2a < cp:  # a2a over a sub-group x ring over the rest
-        from gradsched.hybrid import hybrid_attention
+        from gradsched.cp.hybrid import hybrid_attention
         return hybrid_attention(q, k, v, group_name, cp, choice.a2a, ring_call=ring_attention, causal=causal,
                                 scale=float(scale), load_balance=load_balance, return_lse=return_lse,
                                 position_ids=position_ids, key_padding=key_padding, seq_idx=seq_idx,
@@ -265,11 +261,11 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                                 fewest_roundings=requested, window=window, call=call)
     if comm == "hybrid":  # a degree of cp is Ulysses, of 1 the ring
         comm = "a2a" if choice.a2a == cp else "ring"
-    if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.ulysses)
+    if comm == "a2a":  # by heads: one unchanged attention call on the whole sequence (gradsched.cp.ulysses)
         if return_lse:
             raise RingAttentionError(f"{call}: comm='a2a' returns no log-sum-exp. Use comm='ring' for calls "
                                      "that return it (flash-attn's return_attn_probs / LSE).")
-        from gradsched.ulysses import ulysses_attention
+        from gradsched.cp.ulysses import ulysses_attention
         return ulysses_attention(q, k, v, group_name, cp, causal=causal, scale=float(scale),
                                  load_balance=load_balance, window=window, position_ids=position_ids,
                                  key_padding=key_padding, seq_idx=seq_idx)

@@ -1,6 +1,6 @@
 """The ring's schedule: which kernel calls a rank makes at each ring step.
 
-Layout (gradsched.cp_layout makes it): with causal attention and load_balance=True
+Layout (gradsched.cp.layout makes it): with causal attention and load_balance=True
 the sequence is cut into 2*cp chunks and rank r holds chunks r and 2cp-1-r, so every
 rank does the same work. At ring step i rank r holds the K/V of rank s = (r - i) mod cp;
 what each local row chunk sees of it is `Ring.visible`:
@@ -36,7 +36,7 @@ def fast_roundings(cp: int) -> int:
 def fewest_roundings_default(device_type: str, cp: int, masked: bool = False) -> bool:
     """fewest_roundings=None: on for the CPU kernel where the fast schedule would round a row's
     bf16/fp16 output more than twice (cp > FORWARD_WINDOW + 1), and for every masked call there;
-    off elsewhere (the CUDA kernels' masked path is refused, see ring_checks).
+    off elsewhere (the CUDA kernels' masked path is refused, see comm.check_attention_call).
 
     Measured with benchmarks/cp_numerics.py at TransformerEngine #821's shapes (S 4096, 12 heads,
     dim 128, bf16, causal), fast schedule against fewest_roundings, out / dq ratio to a single

@@ -1,0 +1,132 @@
+"""What torch.distributed.pipelining's split loses, checked or put back, for parallelize.
+
+The split (torch.export) orders a stage's inputs by first use and runs checkpointed calls as
+plain calls. check_first_stage_inputs refuses a model whose inputs the split would reorder (each
+would land in another's place); checkpointed_calls records which calls the model checkpoints
+while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
+and checkpoint_stage_modules checkpoints the same submodules of a stage again.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch.nn as nn
+
+from gradsched.user_errors import StageError
+
+
+def check_first_stage_inputs(pipe, model_name: str) -> None:
+    """The split orders the first stage's inputs by first use in forward, and the schedule hands
+    them over in the model's call order: if they differ, every input would land in another's place
+    (tokens read as positions: silently wrong). Refuse instead."""
+    def inputs(gm):
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    called, first = inputs(pipe.split_gm), inputs(pipe.get_stage_module(0))
+    if first != called[:len(first)]:
+        raise StageError(f"splitting {model_name} into pipeline stages: its first stage takes its inputs in "
+                         f"the order {first}, and the model is called with {called}: the pipeline would pass "
+                         "each in another's place. Make the model's forward use its inputs first in the order "
+                         "it takes them (e.g. touch them in that order at the top of forward).")
+
+
+@contextlib.contextmanager
+def checkpointed_calls():
+    """(function, checkpoint arguments) for each call torch.utils.checkpoint is asked to checkpoint
+    while this runs, either use_reentrant."""
+    import torch.utils.checkpoint as ckpt
+    calls, reentrant, generator = [], ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
+
+    class Reentrant:
+        @staticmethod
+        def apply(function, *args):
+            calls.append((function, {"use_reentrant": True}))
+            return reentrant.apply(function, *args)
+
+    def non_reentrant(function, preserve_rng_state=True, context_fn=ckpt.noop_context_fn, *args, **kwargs):
+        selective = {} if context_fn is ckpt.noop_context_fn else {"context_fn": context_fn}  # Dynamo takes no other
+        calls.append((function, {"use_reentrant": False, **selective}))
+        return generator(function, preserve_rng_state, context_fn, *args, **kwargs)
+
+    ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = Reentrant, non_reentrant
+    try:
+        yield calls
+    finally:
+        ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator = reentrant, generator
+
+
+def hf_checkpointed_layers(model: nn.Module) -> list:
+    """(layer, checkpoint arguments) for each Hugging Face layer that checkpoints itself (a
+    GradientCheckpointingLayer whose flag gradient_checkpointing_enable / activation_checkpointing_enable
+    set). transformers >= 5.24 checkpoints only in grad mode, so the trace, run under no_grad, sees no call."""
+    import torch.utils.checkpoint as ckpt
+    found = []
+    for m in model.modules():
+        func = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) is True and isinstance(func, functools.partial) and \
+                "GradientCheckpointingLayer" in {c.__name__ for c in type(m).__mro__}:
+            kw = {k: v for k, v in func.keywords.items() if k in ("use_reentrant", "context_fn")}
+            if kw.get("context_fn") is ckpt.noop_context_fn:
+                del kw["context_fn"]
+            found.append((m, kw))
+    return found
+
+
+def _module_called(function) -> nn.Module | None:
+    """The module whose forward a checkpointed function is: the module itself (checkpoint(block, x)), the
+    owner of a bound method, or, through partials, a class's forward given its module first (HF's layers
+    checkpoint partial(forward, self, **kwargs))."""
+    while isinstance(function, functools.partial):
+        first = function.args[0] if function.args else None
+        if isinstance(first, nn.Module) and _is_forward_of(function.func, first):
+            return first
+        function = function.func
+    owner = function if isinstance(function, nn.Module) else getattr(function, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+def _is_forward_of(function, module: nn.Module) -> bool:
+    qualname = getattr(function, "__qualname__", "").split(".")
+    return qualname[-1:] == ["forward"] and len(qualname) > 1 and \
+        qualname[-2] in {c.__name__ for c in type(module).__mro__}
+
+
+def checkpoint_stage_modules(stage_module: nn.Module, model: nn.Module, calls: list) -> list:
+    """Activation checkpointing back in a pipeline stage: pipelining's trace (torch.export) runs each
+    checkpointed call as a plain one, so the stage it builds holds no checkpoint. Every submodule of
+    `stage_module` named as a module the model checkpointed gets its calls checkpointed again, with
+    the same arguments (Dynamo then makes them tag_activation_checkpoint, as in the unsplit model;
+    parameter names are unchanged). Returns the checkpointed functions that are no module's call,
+    which cannot be put back."""
+    names = {id(m): n for n, m in model.named_modules()}
+    lost, wanted = [], {}
+    for function, kwargs in calls:
+        module = _module_called(function)
+        if module is None or id(module) not in names:
+            lost.append(function)
+        else:
+            wanted[names[id(module)]] = kwargs
+    for name, sub in stage_module.named_modules():
+        if name in wanted:
+            _checkpoint_calls(sub, wanted[name])
+    return lost
+
+
+def _checkpoint_calls(module: nn.Module, kwargs: dict) -> None:
+    from torch.utils.checkpoint import checkpoint
+    cls = type(module)
+
+    def forward(self, *args, **kw):
+        return checkpoint(super(checkpointed, self).forward, *args, **kwargs, **kw)
+    checkpointed = type(cls.__name__, (cls,), {"forward": forward})  # its own class: the instance only
+    module.__class__ = checkpointed
+
+
+def warn_checkpointing_dropped(calls: int, pp: int) -> None:
+    import warnings
+    warnings.warn(f"activation checkpointing is partly lost under pipeline parallelism (pp={pp}): "
+                  f"torch.distributed.pipelining's trace runs the model's checkpointed calls as plain calls, "
+                  f"and gradsched puts back only checkpoints of a module's call; {calls} call(s) of other "
+                  "functions keep their activations. Training is unchanged; memory is not saved there. "
+                  "Checkpoint whole modules (torch.utils.checkpoint(module, ...)) to keep it.",
+                  UserWarning, stacklevel=3)

@@ -1,0 +1,11 @@
+"""Training on top of the gradient sync: the distributed optimizer and what it steps.
+
+optimizer (DistributedOptimizer over this rank's shards), shards (which elements a rank holds),
+param_groups (options by parameter name), clipping (the global norm as one process computes
+it), checkpoint and checkpoint_files (layout-free save and load, verified before anything is
+restored), and the entry point's pieces (cli, data).
+
+May import: gradsched.sync, gradsched.cp, gradsched.passes and the foundation modules. Never
+the public API modules above it (parallel, backend, hf): a ParallelModel is reached through the
+methods it offers (unsplit_module, stale_names, gradient_sync), not by importing its class.
+"""
