@@ -24,7 +24,8 @@ comes waits past the deadline: that is a hang. One JSON object per fault:
                      null unless the outcome is error
   surviving_ranks    ranks not killed by the fault
   ranks_with_message surviving ranks whose error names the faulty rank ("rank 1") and what it was waiting for
-                     (the collective); today's gloo errors ("Connection closed by peer") name neither
+                     (the collective); gloo's own errors ("Connection closed by peer") name neither, gradsched's
+                     journal and watchdog (gradsched.sync.watchdog) name both
   deadline_s         how long the run was given
   messages           the first line of each distinct error; ended_without_result: how each rank that reported
                      nothing ended (its exit code: -9 is SIGKILL, -6 an abort)
@@ -137,6 +138,9 @@ def measure(fault: str, deadline_s: float) -> dict:
     killed = {r for r, res in enumerate(ranks) if isinstance(res, tuple) and "exited with code" in res[1]}
     survivors = [r for r in range(job.world) if r not in killed]
     hung = [r for r in survivors if isinstance(ranks[r], tuple) and "timed out" in ranks[r][1]]
+    for r in survivors:  # a rank the watchdog ended (a stalled collective) reported its error itself, untimed
+        if isinstance(ranks[r], tuple) and r not in hung:
+            ranks[r] = {"error": ranks[r][1], "at": t0 + wall}
     errors = {r: ranks[r]["error"] for r in survivors if isinstance(ranks[r], dict) and "error" in ranks[r]}
     row = {"bench": "faults", "fault": fault, "surviving_ranks": len(survivors), "deadline_s": deadline_s,
            "wall_s": round(wall, 1), "seconds_to_error": None,
@@ -153,7 +157,7 @@ def measure(fault: str, deadline_s: float) -> dict:
         row["outcome"] = "correct" if ok else "silent"
     else:
         row["outcome"] = "silent" if not errors else "error"
-    row["messages"] = sorted({m.splitlines()[0][:200] for m in errors.values()})
+    row["messages"] = sorted({m.splitlines()[0][:400] for m in errors.values()})
     row["ended_without_result"] = {r: ranks[r][1] for r in sorted(killed)}  # how a rank that reported nothing ended
     return row
 

@@ -37,6 +37,11 @@ def _entry(rank, world, port, fn, args, out_dir, collective_timeout_s):
     torch.set_num_threads(1)
     import torch.distributed as dist
     result = None
+    def report(message):  # a rank the watchdog ends (a stalled collective) still reports why
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(("error", f"CollectiveFault: {message}"), f)
+    from gradsched.sync.watchdog import JOURNAL
+    JOURNAL.on_fault.append(report)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=collective_timeout_s))

@@ -45,6 +45,9 @@ class SyncOptions:
     compiler: str = "inductor"
     allow_hazard: bool = False
     check_ranks: bool = True  # exchange collective fingerprints before the first collective
+    # seconds an eager collective may wait while every peer of its group is alive and waiting too (a collective
+    # issued on some ranks only): then each stalled rank names every peer's position and exits (gradsched.sync.watchdog)
+    fault_timeout_s: float = 30.0
     dump_dir: str | None = None
     # context parallelism (plan.cp > 1): how attention is lowered into ring steps
     accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
@@ -76,6 +79,8 @@ class SyncOptions:
                              f"{self.comm!r}): set comm='hybrid', or leave a2a_degree unset.")
         if self.a2a_degree is not None and self.a2a_degree < 1:
             raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} must be >= 1 (a divisor of cp).")
+        if not self.fault_timeout_s > 0:
+            raise ValueError(f"gradsched option fault_timeout_s={self.fault_timeout_s} must be > 0 (seconds).")
         if self.bucket_mb <= 0:
             raise ValueError(f"gradsched option bucket_mb={self.bucket_mb} must be > 0.")
         if self.microbatches < 1:

@@ -27,6 +27,7 @@ from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage
 from gradsched.plan import ParallelPlan
 from gradsched.sync.runtime import GradSync
 from gradsched.sync.stage_setup import setup_stage
+from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
 
@@ -71,6 +72,8 @@ class ParallelModel:
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
         self.module = None
+        self._steps = 0
+        configure_watchdog(plan.describe() if plan.world > 1 else "", self.options.fault_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
@@ -170,8 +173,11 @@ class ParallelModel:
         Returns the loss of the global batch (see `_weighted_loss`), the same on every rank of the
         last stage; None on the other pipeline stages.
         """
+        self._steps += 1
         try:
-            return self._train_step(inputs, targets, positions, attention_mask)
+            with JOURNAL.entry(f"train_step {self._steps}: the stage's schedule (forward, backward, CP and p2p "
+                               "collectives in its compiled graphs)"):
+                return self._train_step(inputs, targets, positions, attention_mask)
         except Exception as e:  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
             own = _own_error(e)
             if own is None or own is e:
@@ -216,9 +222,8 @@ class ParallelModel:
             if _own_error(e) is not None:
                 raise
             stage = f"pipeline stage {self.plan.stage} of {self.plan.pp}" if self.plan.pp > 1 else "the training step"
-            if isinstance(e, torch.distributed.DistBackendError) or "Connection closed by peer" in str(e):
-                raise StageError(f"{stage} (rank {self.plan.rank}): another rank stopped, and its own error names "
-                                 f"the cause. Here: {str(e).strip().splitlines()[0]}") from e
+            if is_comm_error(e):
+                raise  # another rank stopped: the journal's entry names which (gradsched.sync.watchdog)
             raise in_stage(f"{stage} failed in the model's code", e, self.stage_module, self.options.compiler) from e
 
     def _check_same_shapes(self, inputs, targets):
@@ -255,7 +260,9 @@ class ParallelModel:
             return None
         total = self._count(targets)
         if len(self.plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
-            dist.all_reduce(total, group=self.plan.process_group("grad"))
+            pg = self.plan.process_group("grad")
+            with JOURNAL.entry("the global batch's labelled-token count", "collective", pg, "all_reduce", 1, total.dtype):
+                dist.all_reduce(total, group=pg)
         if total == 0:
             raise ValueError(f"every target of this step is ignore_index={self.ignore_index}: the mean loss "
                              "is undefined. Check the labels (or ignore_index=).")
@@ -282,7 +289,9 @@ class ParallelModel:
         if self.options.average:
             loss = loss / group_size
         if group_size > 1:
-            dist.all_reduce(loss, group=self.plan.process_group("grad"))
+            pg = self.plan.process_group("grad")
+            with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, loss.dtype):
+                dist.all_reduce(loss, group=pg)
         return loss.float()
 
     def named_parameters(self):

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from gradsched.launch import free_port, launch_command
+from gradsched.sync.watchdog import CollectiveFault
 from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
@@ -180,9 +181,11 @@ def main(argv=None) -> int:
     quiet_libraries()
     try:
         return train(args)
-    except (Mistake, gradsched.PlanError, gradsched.CheckpointError) as e:
+    except (Mistake, gradsched.PlanError, gradsched.CheckpointError, CollectiveFault) as e:
         if args.debug:
             raise
+        if isinstance(e, CollectiveFault) or isinstance(e.__cause__, CollectiveFault):
+            return fault(e)
         return refuse(e)
 
 
@@ -194,6 +197,15 @@ def refuse(e: Exception) -> int:
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 2
+
+
+def fault(e: Exception) -> int:
+    """Another rank failed or stalled: every surviving rank says, in one line, where it was and which rank
+    it names (its journal's last entries follow with --debug), then exit code 3."""
+    first = str(e).split("This rank's last entries:")[0]
+    rank = os.environ.get("RANK", "0")
+    print(f"gradsched.train: rank {rank}: {' '.join(first.split())}", file=sys.stderr, flush=True)
+    return 3
 
 
 def train(args) -> int:

@@ -13,9 +13,8 @@ the CP group `spec.cp_group_name`: the same inputs, an output of the same shape 
 the same meta["val"] / meta["example_value"]. The ring runs forward and backward on
 its own, so AOTAutograd traces it like any other function. A recognised call the ring
 cannot run (an attn_mask tensor, dropout, heads that GQA cannot group, an odd local
-sequence under the load-balanced causal layout, causal attention over a ring in the plain
-layout, whose ranks would not issue the same collectives once compiled, value heads of another
-size than the query's over a ring, whose block kernels take one) raises
+sequence under the load-balanced causal layout, value heads of another size than the query's
+over a ring, whose block kernels take one) raises
 RingAttentionError here, at compile time (`spec.check` says which). A window no shorter than
 the whole sequence hides nothing and counts as no mask when the scheme is chosen (the runtime
 drops it too). `spec.check` also returns the scheme each call runs
@@ -273,7 +272,7 @@ def _lower_one(graph: fx.Graph, node: fx.Node, form: AttentionForm, spec: RingSp
                         causal=bool(causal), load_balance=load_balance, dropout_p=dropout_p,
                         has_attn_mask=args.get("attn_mask") is not None,
                         accumulate=accumulate, comm=comm, a2a_degree=spec.a2a_degree, masked=masked,
-                        needs_lse=form.returns_lse, compiled=True,
+                        needs_lse=form.returns_lse,
                         head_dims=_head_dims(q, k, v))
     a2a_degree = spec.a2a_degree
     if choice is not None and q_heads is not None and kv_heads is not None:  # lower with what was chosen

@@ -335,3 +335,32 @@ def damaged_load_messages(rank, world, cases, step_after_ok: bool = True):
             opt.step()
         out.append({"ok": meta})
     return out
+
+
+def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
+    """pp1 x dp2: rank 1 is SIGKILLed, raises, or issues one extra all-reduce inside the optimizer's
+    parameter all-gather of the first step. Returns "finished" (it should not)."""
+    import os
+    import signal
+    import gradsched.training.optimizer as optimizer
+    from tied_training import batch, build_model
+    job = Job(pp=1, dp=2, steps=1, options={"compiler": "eager", "fault_timeout_s": timeout_s})
+    model, _ = build_model(job)
+    model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2), loss_fn=lm_loss,
+                                  **job.options)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    if rank == 1:
+        gather = optimizer._all_gather
+
+        def faulty(out, x, group):
+            if fault == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "raised":
+                raise RuntimeError("injected on rank 1")
+            torch.distributed.all_reduce(torch.zeros(3), group=group)  # "extra": its peer never issues it
+            return gather(out, x, group)
+        optimizer._all_gather = faulty
+    x, y = batch(job, 1)
+    model.train_step(x[rank::2], y[rank::2])
+    opt.step()
+    return "finished"

@@ -181,10 +181,10 @@ def test_torchs_checkpoint_exception_leaves_as_a_checkpoint_error_naming_the_che
     """DCP's CheckpointException is a BaseException: `except Exception` (and `except CheckpointError`) miss it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from gradsched.training.checkpoint import _dcp
+    from gradsched.training.checkpoint_state import dcp_call
 
     def fails():
         raise CheckpointException("load failed", {1: (EOFError("Ran out of input"), None)})
     with pytest.raises(CheckpointError, match=r"loading the checkpoint at 'ckpt/step-1' failed: rank 1: EOFError: "
                                               r"Ran out of input\."):
-        _dcp("loading", "ckpt/step-1", fails)
+        dcp_call("loading", "ckpt/step-1", fails)

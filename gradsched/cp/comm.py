@@ -137,7 +137,7 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                          has_attn_mask: bool = False, accumulate: str = "fp32",
                          comm: str = "ring", fewest_roundings: bool = False,
                          device_type: str = "cpu", a2a_degree: int | None = None, masked: bool = False,
-                         needs_lse: bool = False, compiled: bool = False,
+                         needs_lse: bool = False,
                          head_dims: tuple | None = None):
     """Raise RingAttentionError if the ring cannot run this attention call.
 
@@ -174,16 +174,6 @@ def check_attention_call(call: str, *, q_heads: int, kv_heads: int, local_len: i
                           "a2a_degree unset.")
     choice = resolve_comm(comm, a2a_degree, call=call, q_heads=q_heads, kv_heads=kv_heads, cp=cp, masked=masked,
                           needs_lse=needs_lse, causal=causal)
-    ring_cp = cp if choice.comm == "ring" else cp // choice.a2a if choice.comm == "hybrid" else 1
-    if compiled and causal and not load_balance and ring_cp > 1:
-        # Functional collectives are pure ops to AOTAutograd: it drops (or moves between forward and
-        # backward) those whose results a rank's graph does not use, and in the plain layout the rank
-        # holding the first chunk uses no other rank's K/V. Seen: dp2 x cp2 hanging under the default compile.
-        raise unsupported(call, "causal attention in the plain layout (load_balance=False) gives the ring's "
-                          "ranks unequal work, and compiled, a rank that needs nothing from a ring step loses "
-                          "that step's collective from its graph while the others wait for it (a hang)",
-                          "Use load_balance=True (the default, head-tail layout), or comm='allgather' or "
-                          "comm='a2a', which every rank uses whole.")
     if head_dims is not None and choice.comm != "a2a" and len(set(head_dims)) > 1:
         d_q, d_k, d_v = head_dims
         raise unsupported(call, f"its query, key and value heads have sizes {d_q}, {d_k} and {d_v}, and the ring's "

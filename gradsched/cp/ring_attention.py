@@ -62,6 +62,7 @@ import torch.distributed as dist
 from gradsched.cp.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
                                       row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
 from gradsched.cp.masks import check_mask_args, normalize_masks
+from gradsched.cp.keep import Uses
 from gradsched.cp.comm import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
                                check_masked_call)
 from gradsched.cp.ring_masked import MaskedRingAttention
@@ -96,7 +97,8 @@ def _ring_forward(q, k, v, ring: Ring):
     rows = row_chunks(q, ring.parts)
     state = [[None, None] for _ in range(ring.parts)]
     kv = flat_kv(k, v)
-    gathered = _all_gather(kv, ring) if ring.comm == "allgather" and ring.cp > 1 else None
+    uses = Uses()  # a rank that skips a step still uses what it received (gradsched.cp.keep)
+    gathered = uses.keep(_all_gather(kv, ring)) if ring.comm == "allgather" and ring.cp > 1 else None
     ends = forward_ends(ring)
     pending, window = None, []
     for step in range(ring.cp):
@@ -105,14 +107,15 @@ def _ring_forward(q, k, v, ring: Ring):
             kv = gathered[src]
         else:
             if step > 0:
-                kv = _wait(pending)
+                kv = uses.keep(_wait(pending))
             if step < ring.cp - 1:
                 pending = _send_to_next(kv, ring)  # in flight while this step computes
         window.append((step, src, *unflat_kv(kv, k.shape, v.shape)))
         if step in ends:
             forward_window(state, q, rows, window, ring)
             window = []
-    return finish_forward(state, q.dtype, ring)
+    out, lse, saved = finish_forward(state, q.dtype, ring)
+    return uses.tie(out), lse, saved
 
 
 def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
@@ -125,9 +128,10 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
     dtype = ring.acc_dtype(q.dtype)
     dq = [torch.zeros(r[0].shape, dtype=dtype, device=q.device) for r in rows[1:]]
     kv = flat_kv(k, v)
+    uses = Uses()
     allgather = ring.comm == "allgather" and ring.cp > 1
     if allgather:
-        gathered = _all_gather(kv, ring)
+        gathered = uses.keep(_all_gather(kv, ring))
         dkv_all = torch.zeros((ring.cp, kv.numel()), dtype=dtype, device=q.device)
     ends = window_ends(ring.cp, BACKWARD_WINDOW)
     pending_kv = pending_dkv = None
@@ -139,7 +143,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
                 kv = gathered[src]
             else:
                 if step > 0:
-                    kv = _wait(pending_kv)
+                    kv = uses.keep(_wait(pending_kv))
                 if step < ring.cp - 1:
                     pending_kv = _send_to_next(kv, ring)
             window.append((step, src, *unflat_kv(kv, k.shape, v.shape)))
@@ -172,7 +176,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
             dkv = torch.zeros(kv.numel(), dtype=dtype, device=q.device)
     dk, dv = unflat_kv_grads(dkv, k.shape, ring.parts)
     dq = torch.cat(dq, dim=2) if len(dq) > 1 else dq[0]
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return uses.tie(dq.to(q.dtype)), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -245,7 +249,6 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
                                   cp=cp, causal=causal, load_balance=load_balance, accumulate=accumulate,
                                   comm=comm, fewest_roundings=fewest_roundings, device_type=q.device.type,
                                   a2a_degree=a2a_degree, masked=masked, needs_lse=return_lse,
-                                  compiled=torch.compiler.is_compiling(),
                                   head_dims=(q.shape[-1], k.shape[-1], v.shape[-1]))
     comm = choice.comm
     if masked:

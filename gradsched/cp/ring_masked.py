@@ -42,6 +42,7 @@ from gradsched.cp.layout import layout_order, rank_chunks
 from gradsched.cp.masks import token_masks, visible
 from gradsched.cp.ring_blocks import (add_kv_grads, expand_heads, flat_kv, merge_block, pop_kv_grads, reduce_heads,
                                       unflat_kv, unflat_kv_grads)
+from gradsched.cp.keep import Uses
 from gradsched.cp.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
@@ -271,9 +272,9 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
 # size mismatch), while these two are ordered by data (dK/dV need the K/V). The K/V of all steps are
 # held at once, as the fewest_roundings schedule (one call over all steps) needs them anyway.
 
-def _all_visits(k, v, ring: MaskedRing):
+def _all_visits(k, v, ring: MaskedRing, uses: Uses):
     """kv_at for the ring: every rank sends its K/V to rank r+s for each step s > 0 and receives the
-    K/V of rank r-s, in one all-to-all."""
+    K/V of rank r-s, in one all-to-all (kept in `uses`: a rank may need none of them)."""
     steps = [s for s in ring.steps() if s > 0]
     if not steps:
         return lambda step: (k, v)
@@ -282,14 +283,17 @@ def _all_visits(k, v, ring: MaskedRing):
     for s in steps:
         send[(r + s) % cp] = n
         recv[(r - s) % cp] = n
-    got = _c10d.wait_tensor(_c10d.all_to_all_single(flat.repeat(len(steps)), recv, send, ring.group_name))
+    got = uses.keep(_c10d.wait_tensor(_c10d.all_to_all_single(flat.repeat(len(steps)), recv, send,
+                                                               ring.group_name)))
     sources = sorted((r - s) % cp for s in steps)  # the received parts, in source rank order
     parts = {s: got[sources.index((r - s) % cp) * n:][:n] for s in steps}
     return lambda step: (k, v) if step == 0 else unflat_kv(parts[step], k.shape, v.shape)
 
 
 def _ring_forward(q, k, v, tokens, ring):
-    return rank_forward(ring, q, _all_visits(k, v, ring), tokens)
+    uses = Uses()
+    out, lse, saved = rank_forward(ring, q, _all_visits(k, v, ring, uses), tokens)
+    return uses.tie(out), lse, saved
 
 
 def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
@@ -303,7 +307,8 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
         else:
             grads[step] = dkv
 
-    dq = rank_backward(ring, q, dout, out, lse, _all_visits(k, v, ring), tokens, k.shape, v.shape, give_back)
+    uses = Uses()
+    dq = rank_backward(ring, q, dout, out, lse, _all_visits(k, v, ring, uses), tokens, k.shape, v.shape, give_back)
     if grads:  # to each K/V's owner, rank r - s; ours come from ranks r + s
         cp, r, n = ring.cp, ring.rank, own.numel()
         by_dest = sorted(grads, key=lambda s: (r - s) % cp)
@@ -317,7 +322,7 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
         for s in sorted(grads):  # summed in step order, as the simulation does
             own.add_(got[sources.index((r + s) % cp) * n:][:n])
     dk, dv = unflat_kv_grads(own, k.shape, len(ring.chunks(ring.rank)))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return uses.tie(dq.to(q.dtype)), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class MaskedRingAttention(torch.autograd.Function):

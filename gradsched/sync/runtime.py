@@ -34,6 +34,7 @@ from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
 from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_stage
 from gradsched.sync.stage_setup import StageSetup
+from gradsched.sync.watchdog import JOURNAL
 
 
 class GradSync:
@@ -113,7 +114,9 @@ class GradSync:
         self._check_once(sg)
         grads = [built.params[n] for n in sg.inputs]
         t0 = time.perf_counter()
-        outs = list(sg.fn([_grad_or_zeros(p) for p in grads]))
+        with JOURNAL.entry(f"the flush graph of stage {self.setup.stage} (tied all-reduce, then the reduction "
+                           f"of buckets {[b.index for b in sg.layout.buckets]})"):
+            outs = list(sg.fn([_grad_or_zeros(p) for p in grads]))
         self.flush_seconds.append(time.perf_counter() - t0)  # the step's tail after the schedule (benchmarks)
         self.sync_runs += 1
         shard = built.plan.shard

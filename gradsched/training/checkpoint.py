@@ -32,6 +32,7 @@ torch's CheckpointException (a BaseException): each is a CheckpointError.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -42,6 +43,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from gradsched.sync.runtime import find_sync
+from gradsched.sync.watchdog import JOURNAL, CollectiveFault
 from gradsched.training.checkpoint_files import (LATEST, MANIFEST, CheckpointError, checkpoint_dir, damage, damaged,
                                                  file_sum, read_manifest, write_manifest)
 from gradsched.training.checkpoint_state import (dcp_call, model_tensors, optimizer_entries, pieces_api, restore_into,
@@ -52,10 +54,26 @@ __all__ = ["CheckpointError", "checkpoint_dir", "load", "save"]
 
 # ---- save ------------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _peers_named(doing: str, path: str):
+    """A peer that dies while this rank saves or loads: a CheckpointError naming it (gradsched.sync.watchdog)."""
+    try:
+        with JOURNAL.entry(f"{doing} the checkpoint at {path!r}"):
+            yield
+    except CollectiveFault as e:
+        raise CheckpointError(f"{doing} the checkpoint at {path!r} failed: {e}") from e
+
+
 def save(path: str, model, optimizer=None, *, step: int, data_position: int | None = None) -> str:
     """Save the model, the optimizer and the position of the run; every rank calls it. Returns the
     checkpoint's directory. Atomic: until every rank has written and the manifest (each file's size
     and crc32) is in place, `latest` names the previous one."""
+    with _peers_named("saving", path):
+        return _save(path, model, optimizer, step=step, data_position=data_position)
+
+
+def _save(path: str, model, optimizer=None, *, step: int, data_position: int | None = None) -> str:
+    """The body of save: the same arguments."""
     rank = dist.get_rank()
     final = os.path.join(path, f"step-{step:08d}")
     partial = final + ".partial"
@@ -143,6 +161,12 @@ def load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
     the checkpoint against the model and optimizer: a damaged or unfitting checkpoint is a
     CheckpointError on every rank, with the model and optimizer untouched. verify=False skips the
     checksums (a checkpoint written before them: no manifest); the other checks stay."""
+    with _peers_named("loading", path):
+        return _load(path, model, optimizer, verify=verify)
+
+
+def _load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
+    """The body of load: the same arguments."""
     where = checkpoint_dir(path, verify)
     if verify:
         _verify_files(where)

@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from gradsched.sync.runtime import find_sync
 from gradsched.sync.stage_setup import process_group
+from gradsched.sync.watchdog import JOURNAL, CollectiveFault, is_comm_error, peers_report
 from gradsched.training.checkpoint_files import CheckpointError
 from gradsched.training.optimizer import unsplit_module, unsplit_named_parameters
 from gradsched.training.shards import owned_pieces
@@ -38,11 +39,16 @@ def dcp_call(doing: str, where: str, fn):
     """fn() (a DCP call), with DCP's failures as a CheckpointError naming `where`: DCP raises
     CheckpointException, a BaseException that `except Exception` misses, on every rank alike."""
     try:
-        return fn()
+        with JOURNAL.entry(f"{doing} the checkpoint at {where!r} (DCP's collectives)"):
+            return fn()
     except CheckpointException as e:
         why = "; ".join(f"rank {r}: {type(exc).__name__}: {_first_line(exc)}"
                         for r, (exc, _) in sorted(e.failures.items()))
-        raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {why}.") from None
+        peers = peers_report() if any(is_comm_error(exc) for exc, _ in e.failures.values()) else ""
+        raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {why}."
+                              + (f" The peers: {peers}." if peers else "")) from None
+    except CollectiveFault as e:
+        raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {e}") from e
     except Exception as e:  # before DCP's collectives (reading .metadata, planning): this rank's own error
         raise CheckpointError(f"{doing} the checkpoint at {where!r} failed: {type(e).__name__}: "
                               f"{_first_line(e)}.") from e

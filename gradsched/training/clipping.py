@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from gradsched.sync.runtime import find_sync
-from gradsched.training.shards import owned_pieces
 from gradsched.sync.stage_setup import process_group
+from gradsched.sync.watchdog import JOURNAL
+from gradsched.training.shards import owned_pieces
 
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
@@ -47,7 +48,9 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
             local = torch.maximum(local, g.double().abs().max()) if g.numel() else local
         op = dist.ReduceOp.MAX
     if len(setup.all_ranks.ranks) > 1:
-        dist.all_reduce(local, op=op, group=process_group(setup.all_ranks))
+        pg = process_group(setup.all_ranks)
+        with JOURNAL.entry("clip_grad_norm_'s global norm", "collective", pg, "all_reduce", 1, local.dtype):
+            dist.all_reduce(local, op=op, group=pg)
     total = (local.sqrt() if norm_type == 2.0 else local).float()
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     for g in _scaled_tensors(sync, plan):

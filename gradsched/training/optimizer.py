@@ -20,6 +20,7 @@ from gradsched.training.param_groups import options_by_name
 from gradsched.training.shards import owned_pieces
 from gradsched.sync.runtime import find_sync
 from gradsched.sync.stage_setup import process_group
+from gradsched.sync.watchdog import JOURNAL
 
 # Their update of an element reads only that element's gradient, state and value: stepping a
 # rank's pieces equals stepping the whole tensors. (Adafactor, LBFGS, SparseAdam, Muon and the
@@ -143,7 +144,9 @@ class DistributedOptimizer:
             for pc, master in by_bucket.get(b.index, []):
                 mine[pc.at:pc.at + pc.numel] = master.detach().to(dtype)
             full = torch.empty(b.numel, dtype=dtype, device=device)
-            _all_gather(full, mine, pg)
+            with JOURNAL.entry(f"the optimizer's parameter all-gather, bucket {b.index}", "collective", pg,
+                               "all_gather", b.numel, dtype):
+                _all_gather(full, mine, pg)
             for s in b.slots:
                 p = params[s.name]
                 p.copy_(full[s.offset:s.offset + s.numel].view(p.shape).to(p.dtype))
