@@ -73,7 +73,8 @@ class ParallelModel:
         self.grad_sync = None
         self.module = None
         self._steps = 0
-        configure_watchdog(plan.describe() if plan.world > 1 else "", self.options.fault_timeout_s)
+        configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
+                           self.options.fault_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)

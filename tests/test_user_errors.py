@@ -40,7 +40,10 @@ def test_an_error_inside_a_stage_names_the_users_line_not_the_generated_code(mes
                              "index out of range in self")
     assert "tiny_gpt.py" in stage0 and "code: x = self.wte(idx) + self.wpe(pos)" in stage0
     assert "eval_with_key" not in stage0 and "Attempt to trace generator" not in stage0
-    assert stage1.startswith("StageError: pipeline stage 1 of 2 (rank 1): another rank stopped")
+    # the other stage, blocked on stage 0, names it and the error it posted (gradsched.sync.watchdog)
+    assert stage1.startswith("CollectiveFault: rank 1/2 (pp=1/2, dp=0/1, cp=0/1) was waiting in phase 'train_step"), stage1
+    assert "rank 0 (pp=0/2, dp=0/1, cp=0/1) failed: StageError: pipeline stage 0 of 2 failed in the model's code: " \
+           "IndexError: index out of range in self" in stage1, stage1
 
 
 def test_an_error_inside_inductors_code_gives_the_models_error_and_how_to_find_its_line(messages):

@@ -6,16 +6,32 @@ peers, whose graphs do read it, wait for it forever. The ring's schedule depends
 (causal attention in the plain layout: the rank holding the first chunk reads no other rank's
 K/V; under masks, a rank may need none of the blocks it is sent), so its graphs differ by rank.
 
+The partitioner may also move a collective between the forward and backward graphs on one rank
+only: a backward collective whose input is known in the forward (a rank that computed nothing
+sends back zeros) is hoisted into that rank's forward, and a backward K/V rotation is merged with
+the forward's (the whole sequence's K/V then saved for the backward).
+
 `Uses.keep` folds one element of each received buffer into a float32 scalar, and `Uses.tie`
 adds a zero made from that scalar to what the rank returns (out in the forward, dq in the
-backward). The value is unchanged bit for bit (x + 0.0; NaN and inf from the received data are
-cleaned first), and every collective the rank issued now feeds its result: no pass can remove
-it on one rank only. Inductor keeps collectives in issue order (its comm passes never reorder
-them relative to each other), so every rank runs them in the same order.
+backward): every collective the rank issued feeds its result, so no pass can remove it on one
+rank only. `anchored` adds a zero made from a backward input (the output's gradient) to what a
+backward collective sends, so it cannot run before the backward. Values are unchanged bit for bit
+(x + 0.0; NaN and inf are cleaned first). Inductor keeps collectives in issue order (its comm
+passes never reorder them relative to each other), so every rank runs them in the same order.
 """
 from __future__ import annotations
 
 import torch
+
+
+def _zero_from(t: torch.Tensor) -> torch.Tensor:
+    one = t.reshape(-1)[:1].float()
+    return torch.nan_to_num(one * 0.0, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+def anchored(x: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
+    """x, equal bit for bit, now computed from `on` (a backward input, e.g. the output's gradient)."""
+    return x + _zero_from(on).to(x.dtype) if on.numel() else x
 
 
 class Uses:
@@ -35,5 +51,4 @@ class Uses:
         """x, equal bit for bit, now computed from every kept buffer."""
         if self.token is None:
             return x
-        zero = torch.nan_to_num(self.token * 0.0, nan=0.0, posinf=0.0, neginf=0.0)
-        return x + zero.to(x.dtype)
+        return x + _zero_from(self.token).to(x.dtype)

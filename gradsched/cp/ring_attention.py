@@ -62,7 +62,7 @@ import torch.distributed as dist
 from gradsched.cp.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
                                       row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
 from gradsched.cp.masks import check_mask_args, normalize_masks
-from gradsched.cp.keep import Uses
+from gradsched.cp.keep import Uses, anchored
 from gradsched.cp.comm import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
                                check_masked_call)
 from gradsched.cp.ring_masked import MaskedRingAttention
@@ -127,7 +127,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
     rows = rows_for_backward(ring, q, out, dout, lse)
     dtype = ring.acc_dtype(q.dtype)
     dq = [torch.zeros(r[0].shape, dtype=dtype, device=q.device) for r in rows[1:]]
-    kv = flat_kv(k, v)
+    kv = anchored(flat_kv(k, v), dout)  # re-sent in the backward, never merged with the forward's
     uses = Uses()
     allgather = ring.comm == "allgather" and ring.cp > 1
     if allgather:
@@ -160,7 +160,7 @@ def _ring_backward(dout, q, k, v, out, lse, ring: Ring):
             continue
         if done == 0:  # our own K/V: its dK/dV starts here
             dkv = mine if mine is not None else \
-                torch.zeros(kv.numel(), dtype=dtype, device=q.device)
+                anchored(torch.zeros(kv.numel(), dtype=dtype, device=q.device), dout)
         else:  # as summed by the ranks before this one
             dkv = _wait(pending_dkv)
             if mine is not None:

@@ -42,7 +42,7 @@ from gradsched.cp.layout import layout_order, rank_chunks
 from gradsched.cp.masks import token_masks, visible
 from gradsched.cp.ring_blocks import (add_kv_grads, expand_heads, flat_kv, merge_block, pop_kv_grads, reduce_heads,
                                       unflat_kv, unflat_kv_grads)
-from gradsched.cp.keep import Uses
+from gradsched.cp.keep import Uses, anchored
 from gradsched.cp.ring_schedule import acc_dtype, rounds_results
 
 _c10d = torch.ops._c10d_functional
@@ -272,13 +272,14 @@ def rank_backward(ring: MaskedRing, q, dout, out, lse, kv_at, tokens, kshape, vs
 # size mismatch), while these two are ordered by data (dK/dV need the K/V). The K/V of all steps are
 # held at once, as the fewest_roundings schedule (one call over all steps) needs them anyway.
 
-def _all_visits(k, v, ring: MaskedRing, uses: Uses):
+def _all_visits(k, v, ring: MaskedRing, uses: Uses, anchor=None):
     """kv_at for the ring: every rank sends its K/V to rank r+s for each step s > 0 and receives the
     K/V of rank r-s, in one all-to-all (kept in `uses`: a rank may need none of them)."""
     steps = [s for s in ring.steps() if s > 0]
     if not steps:
         return lambda step: (k, v)
     flat, n, cp, r = flat_kv(k, v), k.numel() + v.numel(), ring.cp, ring.rank
+    flat = anchored(flat, anchor) if anchor is not None else flat  # the backward's own visits
     send, recv = [0] * cp, [0] * cp
     for s in steps:
         send[(r + s) % cp] = n
@@ -308,7 +309,8 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
             grads[step] = dkv
 
     uses = Uses()
-    dq = rank_backward(ring, q, dout, out, lse, _all_visits(k, v, ring, uses), tokens, k.shape, v.shape, give_back)
+    dq = rank_backward(ring, q, dout, out, lse, _all_visits(k, v, ring, uses, dout), tokens, k.shape, v.shape,
+                       give_back)
     if grads:  # to each K/V's owner, rank r - s; ours come from ranks r + s
         cp, r, n = ring.cp, ring.rank, own.numel()
         by_dest = sorted(grads, key=lambda s: (r - s) % cp)
@@ -316,8 +318,8 @@ def _ring_backward(dout, q, k, v, out, lse, tokens, ring):
         for s in grads:
             send[(r - s) % cp] = n
             recv[(r + s) % cp] = n
-        got = _c10d.wait_tensor(_c10d.all_to_all_single(torch.cat([grads[s] for s in by_dest]), recv, send,
-                                                        ring.group_name))
+        sent = anchored(torch.cat([grads[s] for s in by_dest]), dout)  # a backward collective on every rank
+        got = _c10d.wait_tensor(_c10d.all_to_all_single(sent, recv, send, ring.group_name))
         sources = sorted((r + s) % cp for s in grads)
         for s in sorted(grads):  # summed in step order, as the simulation does
             own.add_(got[sources.index((r + s) % cp) * n:][:n])

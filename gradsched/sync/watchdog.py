@@ -5,21 +5,23 @@ the loss and norm all-reduces) and of the compiled graphs and phases it runs (a 
 the flush graph, a checkpoint), with Flight Recorder's fields: sequence number, what, group, op,
 element count, dtype, state and time. A daemon thread publishes this rank's status to a clone of
 the job's store every `INTERVAL_S` (its open entry, its groups' c10d sequence numbers, its pid and
-host), and watches:
+host) and fetches the errors peers posted (the store lives in rank 0's process: once rank 0 ends,
+what was not fetched is lost), and watches:
 
-- An operation that fails (gloo raises "Connection closed by peer" when a peer is gone) leaves as a
-  CollectiveFault naming the peers that failed: a rank that posted its own error (`post_failure`),
-  a rank whose process is gone (its pid, on this host) or whose heartbeat stopped, with what this
-  rank was waiting for and its last entries.
+- A rank whose own error leaves gradsched posts it (`post_failure`) and waits a beat before it
+  goes on failing. An operation that fails on a peer (gloo raises "Connection closed by peer"
+  when a rank is gone) leaves as a CollectiveFault naming the ranks that posted an error since
+  the operation began, whose process is gone (its pid, on this host) or whose heartbeat
+  stopped, with what this rank was waiting for and its last entries.
 - A collective this rank has waited in for `timeout_s` while every peer of its group is alive and
   waiting in a collective too (none progresses: a collective issued on some ranks only) is a
-  stall: the watchdog names every peer's position and its group sequence number (a rank whose
-  number differs issued a collective the others did not), posts it, prints it and ends the process
-  (exit code 3), since a collective blocked inside gloo cannot be interrupted from Python. The
-  other ranks, blocked on the stalled ones, then fail and name them.
+  stall: the watchdog names every peer's position and its group's collective count (a rank whose
+  count differs issued a collective the others did not), posts it, prints it and ends the process
+  (exit code 3; rank 0 last), since a collective blocked inside gloo cannot be interrupted from
+  Python. The ranks blocked on it then fail and name it.
 
 A phase (compute, compiled graphs) is never timed out: only eager collectives whose peers all
-wait are. Nothing here is a collective, so nothing can itself hang.
+wait are. The watchdog's own store operations are no collectives, so it cannot hang a healthy run.
 """
 from __future__ import annotations
 
@@ -74,7 +76,10 @@ class _Journal:
         self.on_fault = []  # callbacks(message) before a stalled process exits
         self.thread = None
         self.store = None
-        self.stalled = None
+        self.stalled = None  # this rank's posted error (or stall report), and when
+        self.failed_at = 0.0
+        self.failures: dict[int, tuple] = {}  # rank -> (when, its posted error, where), fetched every
+        self.fetched = 0                                   # beat: the store may go before it is asked
 
     # ---- recording ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -119,7 +124,7 @@ class _Journal:
 
     def diagnose(self, waiting: Entry, exc: BaseException | None = None) -> str:
         me = dist.get_rank() if dist.is_initialized() else 0
-        why = peers_report(waiting.group or None) or "none posted an error, every heartbeat is fresh"
+        why = peers_report(waiting.group or None, waiting.started) or "none posted an error, every heartbeat is fresh"
         cause = f" ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:160]})" if exc is not None else ""
         return (f"{self.where or f'rank {me}'} was waiting in {waiting.op or waiting.kind} "
                 f"'{waiting.what}'{f' over ranks {list(waiting.group)}' if waiting.group else ''} when it "
@@ -153,7 +158,7 @@ class _Journal:
     def status(self) -> dict:
         e = self.open[-1] if self.open else None
         return {"t": time.time(), "pid": os.getpid(), "host": socket.gethostname(), "where": self.where,
-                "open": asdict(e) if e is not None else None, "failed": self.stalled,
+                "open": asdict(e) if e is not None else None, "failed": self.stalled, "failed_at": self.failed_at,
                 "seqs": {str(list(k)): _seq(pg) for k, pg in list(self.groups.items())}}
 
 
@@ -180,8 +185,9 @@ def _alive(st: dict) -> bool:
     return time.time() - st["t"] < DEAD_AFTER_S
 
 
-def _faulty(st: dict | None) -> bool:
-    return st is None or st.get("store_gone") or bool(st.get("failed")) or not _alive(st)
+def _faulty(st: dict | None, since: float = 0.0) -> bool:
+    return st is None or st.get("store_gone") or not _alive(st) or \
+        bool(st.get("failed")) and st.get("failed_at", 0.0) >= since - 1.0
 
 
 def _state(st: dict | None) -> str:
@@ -207,11 +213,27 @@ def configure(where: str, timeout_s: float) -> None:
 
 
 def post_failure(exc: BaseException) -> None:
-    """Tell the peers why this rank is about to stop (before its error propagates)."""
-    if JOURNAL.stalled is None:
-        text = str(exc).strip()
-        JOURNAL.stalled = f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
-    _publish(JOURNAL)
+    """Tell the peers why this rank is about to stop (before its error propagates), and give their
+    watchdogs a beat to fetch it: the store lives in rank 0's process, gone once rank 0 ends."""
+    j = JOURNAL
+    text = str(exc).strip()
+    j.stalled = f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
+    j.failed_at = time.time()
+    _publish(j)
+    if j.store is not None:
+        with contextlib.suppress(Exception):
+            k = j.store.add("gradsched/failures", 1)
+            j.store.set(f"gradsched/failed/{k}", json.dumps([dist.get_rank(), time.time(), j.stalled, j.where]))
+            time.sleep(3 * INTERVAL_S)
+
+
+def _fetch_failures(j: _Journal) -> None:
+    """The errors peers posted since the last beat (one store read when there are none)."""
+    posted = j.store.add("gradsched/failures", 0)
+    for k in range(j.fetched + 1, posted + 1):
+        rank, when, text, where = json.loads(j.store.get(f"gradsched/failed/{k}"))
+        j.failures[rank] = (when, text, where)
+        j.fetched = k
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -222,15 +244,21 @@ def is_comm_error(exc: BaseException) -> bool:
         "Timed out waiting", "timed out", "NCCL"))
 
 
-def peers_report(ranks=None) -> str:
-    """One line on the peers that failed, are gone, or never reported (for errors raised elsewhere)."""
+def peers_report(ranks=None, since: float = 0.0) -> str:
+    """One line on the peers that failed (an error posted after `since`), are gone, or never reported."""
     j = JOURNAL
     if j.store is None or not dist.is_initialized():
         return ""
     me = dist.get_rank()
     ranks = [r for r in (ranks if ranks is not None else range(dist.get_world_size())) if r != me]
     time.sleep(2 * INTERVAL_S)
-    bad = [f"rank {r}{_where(st)} {_state(st)}" for r, st in j.statuses(ranks).items() if _faulty(st)]
+    with contextlib.suppress(Exception):
+        _fetch_failures(j)
+    statuses = j.statuses(ranks)
+    posted = {r: f[1:] for r, f in j.failures.items() if f[0] >= since - 1.0}  # not an earlier, caught one
+    bad = [f"rank {r}{_where({'where': posted[r][1]})} failed: {posted[r][0]}" if r in posted else
+           f"rank {r}{_where(statuses[r])} {_state(statuses[r])}" for r in ranks
+           if r in posted or _faulty(statuses[r], since)]
     return "; ".join(bad)
 
 
@@ -253,19 +281,30 @@ def _start(j: _Journal) -> None:
 
 def _watch(j: _Journal) -> None:
     while dist.is_initialized():
-        _publish(j)
-        waiting = j.open[-1] if j.open else None
-        if waiting is not None and waiting.kind == "collective" and waiting.group and \
-                time.time() - waiting.started > j.timeout_s and waiting.state == "started":
-            report = j.stall(waiting)
-            if report is not None:
-                j.stalled = report.splitlines()[0]
-                _publish(j)
-                print(f"gradsched: {report}", file=sys.stderr, flush=True)
-                for callback in j.on_fault:
-                    with contextlib.suppress(Exception):
-                        callback(report)
-                if dist.get_rank() == 0:  # it hosts the store: the peers read this report there first
-                    time.sleep(4 * INTERVAL_S)
-                os._exit(STALL_EXIT_CODE)
+        try:
+            _check(j)
+        except Exception:  # noqa: BLE001 - the watchdog never takes a healthy run down (a group torn down, ...)
+            pass
         time.sleep(INTERVAL_S)
+
+
+def _check(j: _Journal) -> None:
+    _publish(j)
+    _fetch_failures(j)
+    opened = list(j.open)  # the main thread opens and closes entries meanwhile
+    waiting = opened[-1] if opened else None
+    if waiting is None or waiting.kind != "collective" or not waiting.group or waiting.state != "started" or \
+            time.time() - waiting.started <= j.timeout_s:
+        return
+    report = j.stall(waiting)
+    if report is None:
+        return
+    j.stalled, j.failed_at = report.splitlines()[0], time.time()
+    _publish(j)
+    print(f"gradsched: {report}", file=sys.stderr, flush=True)
+    for callback in j.on_fault:
+        with contextlib.suppress(Exception):
+            callback(report)
+    if dist.get_rank() == 0:  # it hosts the store: the peers read this report there first
+        time.sleep(4 * INTERVAL_S)
+    os._exit(STALL_EXIT_CODE)
