@@ -12,6 +12,7 @@ comes waits past the deadline: that is a hang. One JSON object per fault:
   fault              collective_dropped_on_one_rank  rank 1 skips the optimizer's parameter all-gather
                      extra_collective_on_one_rank    rank 1 issues one all-reduce its peers do not
                      rank_killed_mid_step            rank 1 is SIGKILLed inside the optimizer's all-gather
+                     rank_stopped_mid_step           rank 1 is SIGSTOPped there (alive, never answering)
                      rank_exception_mid_step         rank 1 raises inside the optimizer's all-gather
                      rank_killed_mid_save            rank 1 dies while the checkpoint's data is written
                      plain_layout_causal_ring        no fault: causal attention over a ring in the plain layout
@@ -48,7 +49,7 @@ from tied_training import Job, gradient_error, rank_main, reference
 FAULTY = 1
 GLOO_DEFAULT_TIMEOUT_S = 1800.0
 FAULTS = ("collective_dropped_on_one_rank", "extra_collective_on_one_rank", "rank_killed_mid_step",
-          "rank_exception_mid_step", "rank_killed_mid_save", "plain_layout_causal_ring")
+          "rank_stopped_mid_step", "rank_exception_mid_step", "rank_killed_mid_save", "plain_layout_causal_ring")
 
 
 def _mark(marks: str) -> None:
@@ -74,6 +75,8 @@ def _inject(fault: str, marks: str) -> None:
             dist.all_reduce(torch.zeros(1), group=group)
         elif fault == "rank_killed_mid_step":
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault == "rank_stopped_mid_step":  # alive, silent: the launcher's deadline kills it
+            os.kill(os.getpid(), signal.SIGSTOP)
         elif fault == "rank_exception_mid_step":
             raise RuntimeError("rank 1: injected fault in the optimizer's all-gather")
         return gather(out, x, group)
@@ -136,11 +139,13 @@ def measure(fault: str, deadline_s: float) -> dict:
         fault_at = float(open(os.path.join(marks, "fault")).read()) if os.path.exists(
             os.path.join(marks, "fault")) else None
     killed = {r for r, res in enumerate(ranks) if isinstance(res, tuple) and "exited with code" in res[1]}
+    if fault == "rank_stopped_mid_step":
+        killed.add(FAULTY)  # stopped, then killed at the deadline: not a survivor
     survivors = [r for r in range(job.world) if r not in killed]
     hung = [r for r in survivors if isinstance(ranks[r], tuple) and "timed out" in ranks[r][1]]
-    for r in survivors:  # a rank the watchdog ended (a stalled collective) reported its error itself, untimed
+    for r in survivors:  # a rank the watchdog ended reported its error itself, with the time
         if isinstance(ranks[r], tuple) and r not in hung:
-            ranks[r] = {"error": ranks[r][1], "at": t0 + wall}
+            ranks[r] = {"error": ranks[r][1], "at": ranks[r][2] if len(ranks[r]) > 2 else t0 + wall}
     errors = {r: ranks[r]["error"] for r in survivors if isinstance(ranks[r], dict) and "error" in ranks[r]}
     row = {"bench": "faults", "fault": fault, "surviving_ranks": len(survivors), "deadline_s": deadline_s,
            "wall_s": round(wall, 1), "seconds_to_error": None,

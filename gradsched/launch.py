@@ -37,9 +37,9 @@ def _entry(rank, world, port, fn, args, out_dir, collective_timeout_s):
     torch.set_num_threads(1)
     import torch.distributed as dist
     result = None
-    def report(message):  # a rank the watchdog ends (a stalled collective) still reports why
+    def report(message):  # a rank the watchdog ends (stalled, or blocked on a silent peer) still reports why, and when
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-            pickle.dump(("error", f"CollectiveFault: {message}"), f)
+            pickle.dump(("error", f"CollectiveFault: {message}", time.time()), f)
     from gradsched.sync.watchdog import JOURNAL
     JOURNAL.on_fault.append(report)
     try:

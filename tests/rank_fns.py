@@ -338,12 +338,15 @@ def damaged_load_messages(rank, world, cases, step_after_ok: bool = True):
 
 
 def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
-    """pp1 x dp2: rank 1 is SIGKILLed, raises, or issues one extra all-reduce inside the optimizer's
+    """pp1 x dp2: rank 1 is SIGKILLed, SIGSTOPped, raises, or issues one extra all-reduce inside the optimizer's
     parameter all-gather of the first step. Returns "finished" (it should not)."""
     import os
     import signal
     import gradsched.training.optimizer as optimizer
     from tied_training import batch, build_model
+    if fault == "stopped":  # the same watchdog, with a shorter patience than production's 10 s + 5 s
+        import gradsched.sync.watchdog as watchdog
+        watchdog.DEAD_AFTER_S, watchdog.GRACE_S = 3.0, 2.0
     job = Job(pp=1, dp=2, steps=1, options={"compiler": "eager", "fault_timeout_s": timeout_s})
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2), loss_fn=lm_loss,
@@ -355,6 +358,8 @@ def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
         def faulty(out, x, group):
             if fault == "killed":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault == "stopped":  # alive and silent: the launcher kills it at its deadline
+                os.kill(os.getpid(), signal.SIGSTOP)
             if fault == "raised":
                 raise RuntimeError("injected on rank 1")
             torch.distributed.all_reduce(torch.zeros(3), group=group)  # "extra": its peer never issues it

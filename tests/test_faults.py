@@ -12,9 +12,9 @@ from rank_fns import fault_in_the_optimizers_gather
 TIMEOUT_S = 3.0  # fault_timeout_s: how long a collective may wait with every peer alive and waiting
 
 
-def run(fault: str) -> tuple[list, float]:
+def run(fault: str, deadline_s: float = 120) -> tuple[list, float]:
     t0 = time.monotonic()
-    ranks = run_ranks(fault_in_the_optimizers_gather, 2, fault, TIMEOUT_S, timeout_s=120, raise_on_error=False)
+    ranks = run_ranks(fault_in_the_optimizers_gather, 2, fault, TIMEOUT_S, timeout_s=deadline_s, raise_on_error=False)
     return ranks, time.monotonic() - t0
 
 
@@ -25,6 +25,17 @@ def test_a_killed_rank_is_named_by_its_peer_with_the_collective_it_waited_in():
     assert "all_gather 'the optimizer's parameter all-gather, bucket 0' over ranks [0, 1]" in peer[1]
     assert "rank 1 (pp=0/1, dp=1/2, cp=0/1) is gone (process" in peer[1]
     assert "#" in peer[1].split("last entries:")[1]  # the trace of this rank's collectives
+
+
+def test_a_rank_that_stops_answering_is_named_by_its_neighbour_and_its_peer_ends():
+    # SIGSTOP: alive, silent; gloo would wait for it 30 minutes. Its neighbour (rank 0) sees its heartbeat stop
+    # (3 s here, 10 s by default), posts it, and rank 0, still blocked on it 2 s later (5 s), ends with the report;
+    # the launcher kills rank 1 at its deadline
+    (peer, stopped), _ = run("stopped", deadline_s=15)
+    assert stopped[1] == "rank 1 timed out without a result"
+    assert peer[1].startswith("CollectiveFault: rank 0/2 (pp=0/1, dp=0/2, cp=0/1) has waited in all_gather 'the "
+                              "optimizer's parameter all-gather, bucket 0'"), peer[1]
+    assert "rank 1 (pp=0/1, dp=1/2, cp=0/1) has stopped answering (process" in peer[1] and "seen by rank 0" in peer[1]
 
 
 def test_a_raising_rank_posts_its_error_and_its_peer_names_it():

@@ -8,11 +8,15 @@ the job's store every `INTERVAL_S` (its open entry, its groups' c10d sequence nu
 host) and fetches the errors peers posted (the store lives in rank 0's process: once rank 0 ends,
 what was not fetched is lost), and watches:
 
-- A rank whose own error leaves gradsched posts it (`post_failure`) and waits a beat before it
-  goes on failing. An operation that fails on a peer (gloo raises "Connection closed by peer"
+- A rank whose own error leaves gradsched posts it (`post_failure`; rank 0 then waits a beat before it
+  goes on failing). An operation that fails on a peer (gloo raises "Connection closed by peer"
   when a rank is gone) leaves as a CollectiveFault naming the ranks that posted an error since
   the operation began, whose process is gone (its pid, on this host) or whose heartbeat
   stopped, with what this rank was waiting for and its last entries.
+- Each rank watches the next one's heartbeat (one read a beat, whatever the world's size) and posts
+  it once it is gone or has stopped answering (a killed or SIGSTOPped rank cannot say so itself).
+  A rank still inside an entry it began before that, GRACE_S later, ends with a report naming it:
+  gloo would wait for a silent peer up to its timeout (30 minutes by default).
 - A collective this rank has waited in for `timeout_s` while every peer of its group is alive and
   waiting in a collective too (none progresses: a collective issued on some ranks only) is a
   stall: the watchdog names every peer's position and its group's collective count (a rank whose
@@ -37,7 +41,8 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 INTERVAL_S = 0.5  # heartbeat period
-DEAD_AFTER_S = 5.0  # a heartbeat older than this: the rank stopped answering
+DEAD_AFTER_S = 10.0  # a heartbeat older than this (20 beats): the rank stopped answering
+GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an entry waits for its own error
 STALL_EXIT_CODE = 3
 KEPT = 8  # entries printed per rank
 
@@ -68,7 +73,8 @@ class Entry:
 
 class _Journal:
     def __init__(self):
-        self.entries: list[Entry] = []
+        self.entries: list[Entry] = []  # the last 64
+        self.count = 0
         self.open: list[Entry] = []
         self.groups: dict[tuple, object] = {}  # global ranks -> ProcessGroup (for its sequence number)
         self.timeout_s = 30.0
@@ -78,8 +84,10 @@ class _Journal:
         self.store = None
         self.stalled = None  # this rank's posted error (or stall report), and when
         self.failed_at = 0.0
-        self.failures: dict[int, tuple] = {}  # rank -> (when, its posted error, where), fetched every
-        self.fetched = 0                                   # beat: the store may go before it is asked
+        # rank -> (when, what happened, where, "error" | "gone"), fetched every beat: the store may go first
+        self.failures: dict[int, tuple] = {}
+        self.fetched = 0
+        self.gone: set[int] = set()  # the neighbour this rank found gone
 
     # ---- recording ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -87,7 +95,8 @@ class _Journal:
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         if group is not None:
             self.groups[ranks] = group
-        e = Entry(len(self.entries), what, kind, ranks, op, numel, str(dtype).replace("torch.", ""))
+        self.count += 1
+        e = Entry(self.count, what, kind, ranks, op, numel, str(dtype).replace("torch.", ""))
         self.entries.append(e)
         del self.entries[:-64]
         self.open.append(e)
@@ -174,14 +183,23 @@ def _where(st: dict | None) -> str:
     return f" ({w.split('(', 1)[1]}" if "(" in w else ""
 
 
+def _pid_exists(pid: int) -> bool:
+    """A running (or stopped) process, not a dead one waiting to be reaped (a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
 def _alive(st: dict) -> bool:
-    if st.get("host") == socket.gethostname():
-        try:
-            os.kill(st["pid"], 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
+    if st.get("host") == socket.gethostname() and not _pid_exists(st["pid"]):
+        return False
     return time.time() - st["t"] < DEAD_AFTER_S
 
 
@@ -200,7 +218,10 @@ def _state(st: dict | None) -> str:
     opened = st.get("open")
     inside = f" while in '{opened['what']}'" if opened else ""
     if not _alive(st):
-        return f"is gone (process {st['pid']} on {st['host']}, last heartbeat {time.time() - st['t']:.1f} s ago{inside})"
+        age = f"last heartbeat {time.time() - st['t']:.1f} s ago{inside}"
+        if st.get("host") == socket.gethostname() and _pid_exists(st["pid"]):
+            return f"has stopped answering (process {st['pid']} on {st['host']} exists, {age})"
+        return f"is gone (process {st['pid']} on {st['host']}, {age})"
     return f"alive{inside}"
 
 
@@ -213,27 +234,52 @@ def configure(where: str, timeout_s: float) -> None:
 
 
 def post_failure(exc: BaseException) -> None:
-    """Tell the peers why this rank is about to stop (before its error propagates), and give their
-    watchdogs a beat to fetch it: the store lives in rank 0's process, gone once rank 0 ends."""
-    j = JOURNAL
+    """Tell the peers why this rank is about to stop (before its error propagates); rank 0 gives their
+    watchdogs a beat to fetch it: the store lives in its process, gone once it ends."""
     text = str(exc).strip()
-    j.stalled = f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__
-    j.failed_at = time.time()
+    _post(JOURNAL, f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__)
+    if JOURNAL.store is not None and dist.get_rank() == 0:
+        time.sleep(2 * INTERVAL_S)
+
+
+def _post(j: _Journal, why: str) -> None:
+    """This rank's error (or stall report), in its status and in the job's list of failures."""
+    j.stalled, j.failed_at = why, time.time()
     _publish(j)
     if j.store is not None:
         with contextlib.suppress(Exception):
             k = j.store.add("gradsched/failures", 1)
-            j.store.set(f"gradsched/failed/{k}", json.dumps([dist.get_rank(), time.time(), j.stalled, j.where]))
-            time.sleep(3 * INTERVAL_S)
+            j.store.set(f"gradsched/failed/{k}", json.dumps([dist.get_rank(), j.failed_at, f"failed: {why}",
+                                                             j.where, "error"]))
 
 
 def _fetch_failures(j: _Journal) -> None:
     """The errors peers posted since the last beat (one store read when there are none)."""
     posted = j.store.add("gradsched/failures", 0)
     for k in range(j.fetched + 1, posted + 1):
-        rank, when, text, where = json.loads(j.store.get(f"gradsched/failed/{k}"))
-        j.failures[rank] = (when, text, where)
+        rank, when, text, where, kind = json.loads(j.store.get(f"gradsched/failed/{k}"))
+        if kind == "gone" and j.failures.get(rank, (0, "", "", ""))[3] == "error":
+            continue  # its own error says why it went
+        j.failures[rank] = (when, text, where, kind)
         j.fetched = k
+
+
+def _watch_neighbour(j: _Journal) -> None:
+    """Each rank watches the next one (one read a beat, whatever the world's size) and posts it once
+    it is gone or has stopped answering: a rank killed or stopped cannot say so itself."""
+    me, world = dist.get_rank(), dist.get_world_size()
+    r = (me + 1) % world
+    if r == me or r in j.gone:
+        return
+    st = j.statuses([r])[r]
+    if st is None or st.get("store_gone") or _alive(st):
+        return
+    j.gone.add(r)
+    text = _state(dict(st, failed=None))
+    with contextlib.suppress(Exception):
+        k = j.store.add("gradsched/failures", 1)
+        j.store.set(f"gradsched/failed/{k}", json.dumps([r, time.time(), f"{text}, seen by rank {me}",
+                                                         st.get("where", ""), "gone"]))
 
 
 def is_comm_error(exc: BaseException) -> bool:
@@ -256,7 +302,7 @@ def peers_report(ranks=None, since: float = 0.0) -> str:
         _fetch_failures(j)
     statuses = j.statuses(ranks)
     posted = {r: f[1:] for r, f in j.failures.items() if f[0] >= since - 1.0}  # not an earlier, caught one
-    bad = [f"rank {r}{_where({'where': posted[r][1]})} failed: {posted[r][0]}" if r in posted else
+    bad = [f"rank {r}{_where({'where': posted[r][1]})} {posted[r][0]}" if r in posted else
            f"rank {r}{_where(statuses[r])} {_state(statuses[r])}" for r in ranks
            if r in posted or _faulty(statuses[r], since)]
     return "; ".join(bad)
@@ -290,17 +336,37 @@ def _watch(j: _Journal) -> None:
 
 def _check(j: _Journal) -> None:
     _publish(j)
+    _watch_neighbour(j)
     _fetch_failures(j)
     opened = list(j.open)  # the main thread opens and closes entries meanwhile
     waiting = opened[-1] if opened else None
+    if waiting is not None and _blocked_on_the_gone(j, opened[0]):
+        return
     if waiting is None or waiting.kind != "collective" or not waiting.group or waiting.state != "started" or \
             time.time() - waiting.started <= j.timeout_s:
         return
     report = j.stall(waiting)
-    if report is None:
-        return
-    j.stalled, j.failed_at = report.splitlines()[0], time.time()
-    _publish(j)
+    if report is not None:
+        _end(j, report)
+
+
+def _blocked_on_the_gone(j: _Journal, outer: Entry) -> bool:
+    """A peer found gone (killed, or stopped answering) while this rank is still inside an entry it began
+    before, GRACE_S later: gloo would wait for it up to its timeout (30 minutes by default). End here."""
+    gone = {r: f for r, f in j.failures.items() if f[3] == "gone"}
+    late = {r: f for r, f in gone.items() if f[0] > outer.started and time.time() - f[0] > GRACE_S}
+    if not late or outer.state != "started":
+        return False
+    names = "; ".join(f"rank {r}{_where({'where': f[2]})} {f[1]}" for r, f in sorted(late.items()))
+    inner = j.open[-1] if j.open else outer
+    _end(j, f"{j.where or f'rank {dist.get_rank()}'} has waited in {inner.op or inner.kind} '{inner.what}' for "
+            f"{time.time() - inner.started:.0f} s, and a peer is gone: {names}.\nThis rank's last entries:\n{j.trace()}")
+    return True
+
+
+def _end(j: _Journal, report: str) -> None:
+    """Post the report, print it, hand it to the hooks, and end the process (rank 0, the store's host, last)."""
+    _post(j, report.split("This rank's last entries:")[0].strip())
     print(f"gradsched: {report}", file=sys.stderr, flush=True)
     for callback in j.on_fault:
         with contextlib.suppress(Exception):
