@@ -345,8 +345,9 @@ def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
     import gradsched.training.optimizer as optimizer
     from tied_training import batch, build_model
     if fault == "stopped":  # the same watchdog, with a shorter patience than production's 10 s + 5 s
+        import gradsched.sync.peers as peers
         import gradsched.sync.watchdog as watchdog
-        watchdog.DEAD_AFTER_S, watchdog.GRACE_S = 3.0, 2.0
+        peers.DEAD_AFTER_S, watchdog.GRACE_S = 3.0, 2.0
     job = Job(pp=1, dp=2, steps=1, options={"compiler": "eager", "fault_timeout_s": timeout_s})
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2), loss_fn=lm_loss,

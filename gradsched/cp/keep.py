@@ -16,7 +16,7 @@ adds a zero made from that scalar to what the rank returns (out in the forward, 
 backward): every collective the rank issued feeds its result, so no pass can remove it on one
 rank only. `anchored` adds a zero made from a backward input (the output's gradient) to what a
 backward collective sends, so it cannot run before the backward. Values are unchanged bit for bit
-(x + 0.0; NaN and inf are cleaned first). Inductor keeps collectives in issue order (its comm
+(x - 0.0, -0.0 kept; NaN and inf are cleaned first). Inductor keeps collectives in issue order (its comm
 passes never reorder them relative to each other), so every rank runs them in the same order.
 """
 from __future__ import annotations
@@ -25,13 +25,16 @@ import torch
 
 
 def _zero_from(t: torch.Tensor) -> torch.Tensor:
+    """+0.0 (never -0.0, never NaN), computed from t's first element. Inductor folds only an integer
+    multiplication by 0, so this float one stays a dependence."""
     one = t.reshape(-1)[:1].float()
-    return torch.nan_to_num(one * 0.0, nan=0.0, posinf=0.0, neginf=0.0)
+    return torch.nan_to_num(one.abs() * 0.0, nan=0.0, posinf=0.0, neginf=0.0)
 
 
 def anchored(x: torch.Tensor, on: torch.Tensor) -> torch.Tensor:
-    """x, equal bit for bit, now computed from `on` (a backward input, e.g. the output's gradient)."""
-    return x + _zero_from(on).to(x.dtype) if on.numel() else x
+    """x, equal bit for bit, now computed from `on` (a backward input, e.g. the output's gradient).
+    x - (+0.0) is x for every x, -0.0 included (x + 0.0 would turn -0.0 into +0.0)."""
+    return x - _zero_from(on).to(x.dtype) if on.numel() else x
 
 
 class Uses:
@@ -51,4 +54,4 @@ class Uses:
         """x, equal bit for bit, now computed from every kept buffer."""
         if self.token is None:
             return x
-        return x + _zero_from(self.token).to(x.dtype)
+        return x - _zero_from(self.token).to(x.dtype)

@@ -1,0 +1,150 @@
+"""What a rank knows of its peers, through the job's store: their status, their beat, what they posted.
+
+Liveness is judged from beat counters seen changing on this rank's own monotonic clock (`seen`),
+never by comparing two hosts' clocks; a process on this host (same boot and pid namespace) is
+gone when its pid is. The functions take the journal (gradsched.sync.watchdog) whose store,
+lock, `seen` and `failures` they read and update.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+
+import torch.distributed as dist
+
+INTERVAL_S = 0.5  # heartbeat period
+DEAD_AFTER_S = 10.0  # a beat that has not moved for this long (20 beats): the rank stopped answering
+
+
+def host_identity() -> str:
+    """This host's and pid namespace's identity: two containers may share a hostname, not both of these."""
+    ids = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            ids.append(f.read().strip())
+    with contextlib.suppress(OSError):
+        ids.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return "/".join(ids)
+
+
+HOST_ID = host_identity()
+
+
+def statuses(j, ranks) -> dict[int, dict | None]:
+    """Each rank's last published status (None: never published); {"store_gone": True} when the store
+    does not answer. Every read updates `seen`."""
+    out = {}
+    for r in ranks:
+        try:
+            key = f"gradsched/status/{r}"
+            out[r] = json.loads(j.store.get(key)) if j.store.check([key]) else None
+        except Exception:  # noqa: BLE001 - the store's host (rank 0's process) may be the rank that died
+            out[r] = {"store_gone": True}
+            continue
+        if out[r] is not None:
+            with j.lock:
+                beat, when = j.seen.get(r, (None, 0.0))
+                if out[r]["beat"] != beat:
+                    j.seen[r] = (out[r]["beat"], time.monotonic())
+    return out
+
+def silent_for(j, r: int) -> float:
+    """Seconds since this rank last saw rank r's beat move (0 if never seen)."""
+    with j.lock:
+        beat, when = j.seen.get(r, (None, None))
+    return 0.0 if when is None else time.monotonic() - when
+
+
+
+def where_suffix(where: str | None) -> str:
+    """' (pp=0/2, dp=1/2, cp=0/1)' from 'rank 1/4 (pp=0/2, dp=1/2, cp=0/1)'."""
+    return f" ({where.split('(', 1)[1]}" if where and "(" in where else ""
+
+
+def pid_exists(pid: int) -> bool:
+    """A running (or stopped) process, not a dead one waiting to be reaped (a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def process_gone(st: dict) -> bool:
+    return st.get("host_id") == HOST_ID and not pid_exists(st["pid"])
+
+
+def gone(j, r: int, st: dict) -> bool:
+    """Rank r's process is gone (on this host), or its beat has not moved for DEAD_AFTER_S here."""
+    return process_gone(st) or silent_for(j, r) >= DEAD_AFTER_S
+
+
+def state(j, r: int, st: dict | None) -> str:
+    if st is None:
+        return "never reported (it may have died before its first heartbeat)"
+    if st.get("store_gone"):
+        return "cannot be asked: the job's store, hosted by rank 0's process, does not answer (rank 0 is gone)"
+    if st.get("failed"):
+        return f"failed: {st['failed']}"
+    opened = st.get("open")
+    inside = f" while in '{opened['what']}'" if opened else ""
+    if process_gone(st):
+        return f"is gone (process {st['pid']} on {st['host']} exited{inside})"
+    silent = silent_for(j, r)
+    if silent >= DEAD_AFTER_S:
+        return f"has stopped answering (process {st['pid']} on {st['host']}, no heartbeat for {silent:.0f} s{inside})"
+    return f"alive{inside}"
+
+
+def faulty(j, r: int, st: dict | None) -> bool:
+    return st is None or st.get("store_gone") or bool(st.get("failed")) or gone(j, r, st)
+
+
+def append(j, record: list) -> None:
+    with contextlib.suppress(Exception):
+        k = j.store.add("gradsched/failures", 1)
+        j.store.set(f"gradsched/failed/{k}", json.dumps(record))
+
+
+def fetch_failures(j) -> None:
+    """The errors and departures peers posted since the last beat (one store read when there are none)."""
+    posted = j.store.add("gradsched/failures", 0)
+    for k in range(j.fetched + 1, posted + 1):
+        key = f"gradsched/failed/{k}"
+        if not j.store.check([key]):
+            return  # counted, not written yet (or its writer died in between): next beat
+        rank, text, where, kind, beat = json.loads(j.store.get(key))
+        with j.lock:
+            known = j.failures.get(rank)
+            if not (kind == "gone" and known and known[3] == "error" and time.monotonic() - known[0] < 60.0):
+                j.failures[rank] = (time.monotonic(), text, where, kind, beat)  # its own error says why it went
+        j.fetched = k
+
+
+def report(j, ranks=None, since: float | None = None) -> str:
+    """One line on the peers that posted an error (around `since`, this rank's monotonic time, or later),
+    are gone, or never reported. Waits two beats, so what a failing peer posts arrives first."""
+    if j.store is None or not dist.is_initialized():
+        return ""
+    me = dist.get_rank()
+    ranks = [r for r in (ranks if ranks is not None else range(dist.get_world_size())) if r != me]
+    statuses(j, ranks)
+    time.sleep(2 * INTERVAL_S)
+    with contextlib.suppress(Exception):
+        fetch_failures(j)
+    now = statuses(j, ranks)
+    with j.lock:
+        failures = dict(j.failures)
+    posted = {r: f for r, f in failures.items() if since is None or f[0] >= since - 2.0}  # not an earlier, caught one
+    bad = [f"rank {r}{where_suffix(posted[r][2])} {posted[r][1]}" if r in posted else
+           f"rank {r}{where_suffix((now[r] or {}).get('where'))} {state(j, r, now[r])}" for r in ranks
+           if r in posted or faulty(j, r, now[r])]
+    return "; ".join(bad)
