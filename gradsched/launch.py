@@ -78,7 +78,8 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeou
     """Run fn(rank, world, *args) on `world` processes; return the per-rank results.
 
     fn must be importable (a module-level function). With raise_on_error=False
-    a failed rank's entry is ("error", text) instead of raising.
+    a failed rank's entry is ("error", text) instead of raising; ("error", text, time) for a rank the
+    watchdog ended (gradsched.sync.watchdog: stalled, or blocked on a silent peer).
     """
     ctx = _context()
     port = free_port()

@@ -96,7 +96,7 @@ def hand_written_attention_under_cp(rank, world):
 
 
 def padded_sequence_under_cp(rank, world, seq: int):
-    """A batch of length `seq` padded with cp_layout.pad_to_multiple (labels with ignore_index) under cp."""
+    """A batch of length `seq` padded with gradsched.cp.layout.pad_to_multiple (labels with ignore_index) under cp."""
     from gradsched.cp.layout import pad_to_multiple
     from tiny_gpt import GPTConfig
     plan = gradsched.ParallelPlan.from_world(cp=world)

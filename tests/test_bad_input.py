@@ -39,6 +39,8 @@ def test_unknown_or_invalid_options_are_named():
         gradsched.SyncOptions(mode="bogus")
     with pytest.raises(ValueError, match="needs shard=True"):
         gradsched.SyncOptions(mode="shard_aligned", shard=False)
+    with pytest.raises(ValueError, match=r"fault_timeout_s=0 must be > 0 \(seconds\)"):
+        gradsched.SyncOptions(fault_timeout_s=0)
     for bad in ("docs", 1, None):
         with pytest.raises(ValueError, match=f"load_balance={bad!r} is not one of"):
             gradsched.SyncOptions(load_balance=bad)
