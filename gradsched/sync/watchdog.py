@@ -31,6 +31,7 @@ so it cannot hang a healthy run; a new default process group starts it anew.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import json
@@ -86,6 +87,7 @@ class _Journal:
         self.where = ""  # "rank 1/4 (pp=0/2, dp=1/2, cp=0/1)"
         self.on_fault = []  # callbacks(message) before the watchdog ends this process
         self.lock = threading.Lock()  # over `failures` and `seen`, shared with the watchdog thread
+        self.stopper = False  # the exit hook that ends the thread is registered
         self._reset(None)
 
     def _reset(self, world) -> None:
@@ -242,6 +244,18 @@ def _start(j: _Journal) -> None:
     j.store = store
     j.thread = threading.Thread(target=_watch, args=(j, world), name="gradsched-watchdog", daemon=True)
     j.thread.start()
+    if not j.stopper:
+        j.stopper = True
+        atexit.register(_stop, j)
+
+
+def _stop(j: _Journal) -> None:
+    """At exit, end the thread before the interpreter does: a daemon thread still inside a store call while
+    the process tears the store down aborts it ('terminate called without an active exception', seen once)."""
+    thread, j.world = j.thread, None
+    if thread is not None:
+        thread.join(timeout=STORE_TIMEOUT_S + 1.0)
+    j.store = None
 
 
 def _watch(j: _Journal, world) -> None:
