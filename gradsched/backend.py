@@ -122,7 +122,8 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
         return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()})
 
     def fw_compiler(fw_gm: fx.GraphModule, fw_inputs):
-        return compile_graph(fw_gm, fw_inputs, compiler)
+        return compile_graph(fw_gm, fw_inputs, compiler,
+                             agree=f"the forward graph of stage {grad_sync.setup.stage}" if opts.check_ranks else None)
 
     from torch._inductor.decomposition import select_decomp_table
     return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),

@@ -18,6 +18,10 @@ graph's first collective; `gradsched.sync.runtime` only runs the graphs):
                                                fly (Inductor's raise_comms and sink_waits
                                                keep it in the generated code)
   4. verify_graph       (verify.py)            prove the order or the alignment, per tie
+  5. insert_agreement   (agreement.py)         on the copy that is compiled (every graph
+                                               gradsched compiles, forward graphs too): each
+                                               group's collectives open with an all-gather of
+                                               their digest and a check that the peers' match
 
 Context parallelism (context_parallel.py) lowers attention into ring steps on the
 forward graph, before AOTAutograd.

@@ -370,3 +370,57 @@ def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
     model.train_step(x[rank::2], y[rank::2])
     opt.step()
     return "finished"
+
+
+def recompile_on_one_rank(rank, world, other_collectives: bool):
+    """Step 0: every rank runs graph A (one all-reduce). Step 1: rank 0 runs A again, rank 1 a graph of
+    its own, as after a recompile there alone: B (the same all-reduce) or C (one more all-reduce). Each
+    graph compiled with Inductor through gradsched's compile_graph, its agreement on."""
+    import torch.distributed as dist
+    from torch._dynamo.backends.common import aot_autograd
+
+    from gradsched.sync.compile import compile_graph
+    c10d, group = torch.ops._c10d_functional, dist.group.WORLD.group_name
+
+    def compiled(name, fn):
+        return torch.compile(fn, fullgraph=True, backend=aot_autograd(
+            fw_compiler=lambda gm, ins: compile_graph(gm, ins, "inductor", agree=f"graph {name}")))
+
+    def reduced(x):
+        return c10d.wait_tensor(c10d.all_reduce(x * 2, "sum", group))
+
+    def reduced_twice(x):
+        y = reduced(x)
+        return y + c10d.wait_tensor(c10d.all_reduce(y[:2].sum(), "sum", group))
+
+    a = compiled("A", reduced)
+    x = torch.arange(4.0) + rank
+    out = [a(x)]
+    try:
+        if rank == 0:
+            out.append(a(x))
+        else:
+            out.append(compiled("C", reduced_twice)(x) if other_collectives else compiled("B", reduced)(x))
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"outputs": out, "error": f"{type(e).__name__}: {e}"}
+    return {"outputs": out, "error": None}
+
+
+def uneven_batches(rank, world, job: Job, batches: list):
+    """Data parallel through the backend by name, rank r's batch at step s being batches[s][r] rows
+    (a new size on one rank only: Dynamo recompiles there alone). SGD over full parameters."""
+    plan = gradsched.ParallelPlan.from_world(pp=1)
+    torch.manual_seed(job.seed)
+    model = TinyGPT(job.config)
+    compiled = torch.compile(model, backend="gradsched", fullgraph=True,
+                             options={"plan": plan, "shard": False, "compiler": job.options["compiler"]})
+    opt = torch.optim.SGD(model.parameters(), lr=job.lr)
+    for step, sizes in enumerate(batches):
+        x, y = make_batch(sum(sizes), job.config, seed=job.seed + 1 + step)
+        lo = sum(sizes[:rank])
+        lm_loss(compiled(x[lo:lo + sizes[rank]]), y[lo:lo + sizes[rank]]).backward()
+        opt.step()
+        opt.zero_grad()
+    sync = sync_of(model.parameters())
+    return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"], "sync_runs": sync.sync_runs}

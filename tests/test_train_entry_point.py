@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -134,3 +135,42 @@ def test_a_mistake_on_several_processes_is_said_once(tmp_path):
     assert out.strip().splitlines() == [
         "gradsched.train: error: pp=3 x cp=1 does not divide the world size 2: start a multiple of 3 processes, "
         "or change pp/cp."]
+
+
+def rank_process(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's child process that runs `rank` (its RANK variable)."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == launcher_pid and f"RANK={rank}".encode() in env:
+            return int(pid)
+    raise AssertionError(f"no process of rank {rank} under {launcher_pid}")
+
+
+def test_a_rank_killed_mid_run_ends_every_survivor_with_one_line_naming_it(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    proc = subprocess.Popen([sys.executable, *TRAIN, "--nproc-per-node", "2", "--steps", "100000",
+                             "--metrics", str(log)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (log.exists() and len(log.read_text().splitlines()) >= 2):  # training, past compiling
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+            time.sleep(0.2)
+        os.kill(rank_process(proc.pid, 1), signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=90)
+        ended = time.monotonic() - killed
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    lines = [line for line in out.splitlines() if line.startswith("gradsched.train: rank 0: ")]
+    assert proc.returncode != 0 and len(lines) == 1, out[-3000:]
+    assert "rank 1" in lines[0] and "gone" in lines[0] and "Traceback" not in out, out[-3000:]
+    assert ended < 30  # the survivor named the dead rank within seconds, not gloo's 30 minutes

@@ -14,6 +14,8 @@ import torch
 
 _COLLECTIVE = re.compile(r"torch\.ops\._c10d_functional\.(reduce_scatter_tensor|all_reduce_?|all_gather_into_tensor|"
                          r"all_to_all_single)\.default\((\w+),.*'([^']*)'\)")
+_AGREE = re.compile(r"torch\.ops\.gradsched\.agree\.default\((\w+),")
+_ASSIGNED = re.compile(r"^\s*(\w+) = ")
 _WAIT = re.compile(r"torch\.ops\._c10d_functional\.wait_tensor\.default\((\w+)\)")
 _COMPUTE = re.compile(r"^\s*(?:\w+ = )?(cpp_fused_\w+|triton_\w+|extern_kernels\.\w+|torch\.ops\.aten\.\w+\.\w+)\(")
 _ALLOC = re.compile(r"^\s*(\w+) = empty_strided_\w+\(\(([^)]*)\), \([^)]*\), torch\.(\w+)\)")
@@ -24,7 +26,7 @@ _ALIAS = re.compile(r"^\s*(\w+) = (\w+); del \w+")
 @dataclass(frozen=True)
 class Event:
     line: int  # index among the lines of call()
-    kind: str  # "collective" | "wait" | "compute"
+    kind: str  # "collective" | "wait" | "compute" | "agreement" (gradsched.sync.agreement's gather, its wait)
     op: str
     buffer: str = ""  # a collective's input (a wait's argument)
     group: str = ""  # a collective's group name
@@ -50,6 +52,7 @@ def call_lines(source: str) -> list[str]:
 def events(source: str) -> list[Event]:
     lines = call_lines(source)
     buffers = {}  # name -> (numel, dtype) as allocated or viewed so far
+    agreed = {m[1] for line in lines if (m := _AGREE.search(line))}  # the agreements' gathered digests
     out = []
     for i, line in enumerate(lines):
         if m := _ALLOC.match(line):
@@ -58,7 +61,11 @@ def events(source: str) -> list[Event]:
             buffers[m[1]] = (_numel(m[3]), buffers.get(m[2], (0, None))[1])
         elif m := _ALIAS.match(line):
             buffers[m[1]] = buffers.get(m[2], (0, None))
-        if m := _COLLECTIVE.search(line):
+        if (m := _COLLECTIVE.search(line)) and (a := _ASSIGNED.match(line)) and a[1] in agreed:
+            out.append(Event(i, "agreement", m[1], m[2], m[3]))
+        elif (m := _WAIT.search(line)) and m[1] in agreed:
+            out.append(Event(i, "agreement", "wait_tensor", m[1]))
+        elif m := _COLLECTIVE.search(line):
             numel, dtype = buffers.get(m[2], (0, None))
             if dtype is None:
                 raise ValueError(f"collective on {m[2]}, whose allocation the code does not show: {line.strip()}")

@@ -17,22 +17,14 @@ import json
 import torch.distributed as dist
 import torch.fx as fx
 
-from gradsched.passes.graph_utils import META_KEY, collective_group, collective_kind, is_collective
+from gradsched.passes.agreement import collective_sequences
 
 
 class CollectiveMismatch(RuntimeError):
     pass
 
 
-def sequence(gm: fx.GraphModule) -> dict[str, list[tuple]]:
-    """Group name -> [(op, dtype, numel, identity), ...] in graph (issue) order."""
-    seqs: dict[str, list[tuple]] = {}
-    for n in gm.graph.nodes:
-        if is_collective(n):
-            v = n.args[0].meta["val"]
-            ident = json.dumps((n.meta.get(META_KEY) or {}).get("identity"))
-            seqs.setdefault(collective_group(n), []).append((collective_kind(n), str(v.dtype), v.numel(), ident))
-    return seqs
+sequence = collective_sequences  # group name -> [(op, dtype, numel, identity), ...] in issue order
 
 
 def describe(c) -> str:

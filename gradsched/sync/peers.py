@@ -95,7 +95,8 @@ def state(j, r: int, st: dict | None) -> str:
     if st.get("failed"):
         return f"failed: {st['failed']}"
     opened = st.get("open")
-    inside = f" while in '{opened['what']}'" if opened else ""
+    # a status is as old as the last heartbeat (INTERVAL_S): where the rank was then, maybe steps ago
+    inside = f"; at its last heartbeat it was in '{opened['what']}'" if opened else ""
     if process_gone(st):
         return f"is gone (process {st['pid']} on {st['host']} exited{inside})"
     silent = silent_for(j, r)

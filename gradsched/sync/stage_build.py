@@ -72,7 +72,14 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
         graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options)
     if "flush" in plan.graphs:
         graphs["flush"] = _flush_graph(plan, params, options)
-    return BuiltStage(plan, params, compile_graph(bw_gm, example_inputs, options.compiler), graphs)
+    plain = compile_graph(bw_gm, example_inputs, options.compiler,
+                          agree=_name(options, f"the backward graph of stage {setup.stage} (a micro-batch before the last)"))
+    return BuiltStage(plan, params, plain, graphs)
+
+
+def _name(options: SyncOptions, what: str) -> str | None:
+    """A graph's name for the agreement on its collectives (none with check_ranks=False)."""
+    return what if options.check_ranks else None
 
 
 def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
@@ -82,7 +89,9 @@ def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: Sync
     fake = detect_fake_mode(example_inputs)
     if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
         extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
-    fn = compile_graph(gm, list(example_inputs) + extra, options.compiler, comm_overlap=True)
+    fn = compile_graph(gm, list(example_inputs) + extra, options.compiler, comm_overlap=True,
+                       agree=_name(options, f"the backward graph of stage {plan.stage} (the last micro-batch, "
+                                            "with its reductions)"))
     return SyncGraph("backward", plan.graphs["backward"], gm, record, fn)
 
 
@@ -91,7 +100,8 @@ def _flush_graph(plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
     device = params[ready[0].name].device  # the gradients live where their parameters do
     gm, record = flush_sync_graph(plan, device)
     examples = [torch.zeros(r.shape, dtype=r.dtype, device=device) for r in ready]
-    fn = CompiledOnFirstCall(lambda: compile_graph(gm, examples, options.compiler))
+    fn = CompiledOnFirstCall(lambda: compile_graph(gm, examples, options.compiler,
+                                                   agree=_name(options, f"the flush graph of stage {plan.stage}")))
     return SyncGraph("flush", plan.graphs["flush"], gm, record, fn, tuple(r.name for r in ready))
 
 
