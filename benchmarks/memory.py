@@ -8,7 +8,9 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
 
   impl               ddp (torch DDP), fsdp2 (fully_shard per block and at the root, its defaults:
                      parameters resharded after forward), gradsched_optimizer (parallelize(shard=True):
-                     whole parameters and gradients, fp32 masters and optimizer state sharded)
+                     whole parameters and gradients, fp32 masters and optimizer state sharded),
+                     gradsched_params (parallelize(shard="params"): the parameters too live as shards,
+                     all-gathered per bucket in the graphs, the backward gathering again)
   state_bytes_per_rank  parameters, gradients, fp32 master weights and optimizer state that the rank
                      holds when its optimizer steps (distinct storages counted once; a DTensor by its local
                      shard), largest over ranks. DDP's own gradient buckets are not reachable from the
@@ -41,7 +43,7 @@ from tied_training import Job, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
 
 CONFIG = GPTConfig(vocab=8192, seq=64, dim=512, heads=8, layers=8)
-IMPLS = ("ddp", "fsdp2", "gradsched_optimizer")
+IMPLS = ("ddp", "fsdp2", "gradsched_optimizer", "gradsched_params")
 LR, WEIGHT_DECAY = 1e-3, 0.1
 
 
@@ -73,14 +75,16 @@ def peak_increment(prof) -> int:
 class Trainer:
     """One implementation's model and optimizer behind three calls: step, held tensors, full parameters."""
 
-    def __init__(self, impl: str, job: Job, compiler: str):
+    def __init__(self, impl: str, job: Job, compiler: str, bucket_mb: float = 25.0):
         import torch.distributed as dist
         model, _ = build_model(job)
         self.impl = impl
-        if impl == "gradsched_optimizer":
+        if impl.startswith("gradsched"):
             import gradsched
             plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
             self.model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, compiler=compiler,
+                                               shard="params" if impl == "gradsched_params" else True,
+                                               bucket_mb=bucket_mb,
                                                split_points=["blocks.4"] if job.pp > 1 else ())
             self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
             return
@@ -102,7 +106,7 @@ class Trainer:
         self.opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
 
     def forward_backward(self, x, y) -> None:
-        if self.impl == "gradsched_optimizer":
+        if self.impl.startswith("gradsched"):
             self.model.train_step(x, y)
         else:
             lm_loss(self.forward(x), y).backward()
@@ -113,27 +117,29 @@ class Trainer:
 
     def held(self) -> list:
         """Every tensor of training state the rank holds now."""
-        if self.impl == "gradsched_optimizer":
+        if self.impl.startswith("gradsched"):
             sync, inner = self.model.grad_sync, self.opt.optimizer
             reduced = list(sync.reduced()) if sync.sync_plan.shard else []
-            return [p for p in sync.params.values()] + [p.grad for p in sync.params.values()] + reduced + \
+            shards = list(sync.param_shards.shards.values()) if sync.param_shards is not None else []
+            # under shard="params" the parameters' own storage is released (0 bytes) and the shards hold them
+            return [p for p in sync.params.values()] + [p.grad for p in sync.params.values()] + reduced + shards + \
                 list(getattr(self.opt, "masters", [])) + (optimizer_tensors(inner) if inner is not None else [])
         params = list(self.model.parameters())
         return params + [p.grad for p in params] + optimizer_tensors(self.opt)
 
     def full_parameters(self) -> dict:
-        if self.impl == "gradsched_optimizer":
+        if self.impl.startswith("gradsched"):
             return self.model.state_dict()
         module = self.model.module if self.impl == "ddp" else self.model
         return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
                 for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str) -> dict:
+def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_mb: float) -> dict:
     from torch.profiler import ProfilerActivity, profile
-    trainer = Trainer(impl, job, compiler)
+    trainer = Trainer(impl, job, compiler, bucket_mb)
     per_rank = job.global_batch // job.dp
-    dp_idx = trainer.model.plan.coords()[1] if impl == "gradsched_optimizer" else rank  # DDP, FSDP2: all dp
+    dp_idx = trainer.model.plan.coords()[1] if impl.startswith("gradsched") else rank  # DDP, FSDP2: all dp
     times, state, peak = [], 0, 0
     for step in range(job.steps):
         x, y = batch(job, step)
@@ -189,6 +195,7 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-per-rank", type=int, default=2)
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradsched's bucket_mb (its default: 25)")
     ap.add_argument("--debug", action="store_true", help="print the parameters furthest from one process")
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
                     "memory_pp{pp}_dp{dp}.jsonl")
@@ -200,10 +207,10 @@ def main(argv=None) -> int:
     numel = sum(p.numel() for n, p in build_model(job)[0].named_parameters())
     rows = []
     for impl in args.impl:
-        if args.pp > 1 and impl != "gradsched_optimizer":
+        if args.pp > 1 and not impl.startswith("gradsched"):
             print(f"memory.py: {impl} runs at pp 1 only; left out at pp {args.pp}")
             continue
-        ranks = run_ranks(rank_run, args.pp * args.dp, impl, job, args.compiler, timeout_s=1800)
+        ranks = run_ranks(rank_run, args.pp * args.dp, impl, job, args.compiler, args.bucket_mb, timeout_s=1800)
         backend = same_kernels(impl, args.compiler)
         if backend not in refs:
             refs[backend] = reference_params(job, backend)
@@ -213,6 +220,7 @@ def main(argv=None) -> int:
         if args.debug:
             print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
         rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "compiler": args.compiler,
+                     "bucket_mb": args.bucket_mb if impl.startswith("gradsched") else None,
                      "parameters": numel, "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
                      "state_bytes_whole": 16 * numel, "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
                      "predicted_peak_bytes": None,

@@ -213,7 +213,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "state_dict": state, "named_parameters": [n for n, _ in model.named_parameters()],
         "rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "cp_idx": cp_idx,
         "losses": losses, "step_times": times, "norms": norms,
-        "params": {n: p.detach().clone() for n, p in sync.params.items()},
+        "params": {n: v.clone() for n, v in sync.full_parameters().items()},
         "ties": [t.members for t in sync.ties.values()],
         "tied_buckets": [sync.sync_plan.layout.locate(name)[0].index for name in sync.ties],
         "n_buckets": len(sync.sync_plan.layout.buckets),
@@ -229,6 +229,10 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},
         "sync_code": {sg.where: sg.code for sg in sync.sync_graphs()},
         "grad_group": sync.sync_plan.grad_group.name,
+        # shard="params": what the rank holds of its parameters (their own storage is released)
+        "param_storage_bytes": sum(p.untyped_storage().nbytes() for p in sync.params.values()),
+        "param_shard_bytes": sum(t.numel() * t.element_size() for t in sync.param_shards.shards.values())
+        if sync.param_shards is not None else None,
     }
 
 

@@ -87,6 +87,9 @@ def _sync_for_backend_by_name(plan, options: dict, params):
         refuse.append(f"microbatches={opts.microbatches}: only a driver knows which backward ends a step")
     if opts.placement == "flush":
         refuse.append("placement='flush': nothing would call the flush")
+    if opts.shard == "params":
+        refuse.append("shard='params': the model's own parameters would be left without storage, and only a "
+                      "ParallelModel reads them back whole (state_dict, checkpoints)")
     if refuse:
         raise ValueError("torch.compile(backend=\"gradsched\") alone cannot run " + "; ".join(refuse) +
                          ". Use gradsched.parallelize(model, plan=..., loss_fn=..., ...) and its train_step, "
@@ -95,6 +98,20 @@ def _sync_for_backend_by_name(plan, options: dict, params):
     if existing is not None and existing.setup == setup and existing.options == opts:
         return existing  # a recompile of the same model
     return GradSync(setup, opts)
+
+
+def _param_placeholders(fw_gm: fx.GraphModule, params: dict) -> dict[str, str]:
+    """Forward-graph placeholder name -> parameter name: AOTAutograd's forward takes Dynamo's inputs in
+    order (primals_1, primals_2, ...)."""
+    phs = fw_gm.graph.find_nodes(op="placeholder")
+    out = {}
+    for i, (name, p) in params.items():
+        v = phs[i].meta.get("val") if i < len(phs) else None
+        if v is None or tuple(v.shape) != tuple(p.shape) or v.dtype != p.dtype:
+            raise RuntimeError(f"gradsched shard='params': the forward graph's input {i} is not parameter {name} "
+                               f"{tuple(p.shape)} as expected (AOTAutograd reordered its inputs?).")
+        out[phs[i].name] = name
+    return out
 
 
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
@@ -111,6 +128,8 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     if plan.cp > 1:
         grad_sync.attention_reports.append(lower_attention(gm, example_inputs, plan, opts))
 
+    names = {}  # shard="params": this call's forward placeholder -> parameter name, for its backward
+
     def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
         descs = bw_gm.graph.output_node().meta.get("desc") or []
         grad_names = {}
@@ -119,9 +138,12 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
             idx = getattr(of, "idx", None)
             if idx in params:
                 grad_names[out_idx] = params[idx][0]
-        return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()})
+        return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()}, names)
 
     def fw_compiler(fw_gm: fx.GraphModule, fw_inputs):
+        if opts.shard == "params":
+            names.update(_param_placeholders(fw_gm, params))
+            return grad_sync.register_forward(fw_gm, fw_inputs, names, {n: p for n, p in params.values()})
         return compile_graph(fw_gm, fw_inputs, compiler,
                              agree=f"the forward graph of stage {grad_sync.setup.stage}" if opts.check_ranks else None)
 

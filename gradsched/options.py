@@ -11,6 +11,7 @@ COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
 COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
 LOAD_BALANCE = (True, False, "documents")
+SHARDS = (True, False, "params")
 # The one list of each option's values: the context-parallel modules import them from here.
 
 
@@ -26,6 +27,10 @@ class SyncOptions:
                unsafe_rs_first: Megatron-LM #844's order, kept to demonstrate the
                  hazard; refused unless allow_hazard=True.
     shard      True: reduce-scatter buckets (distributed optimizer); False: all-reduce.
+               "params": as True, and the parameters too live as this rank's shard of their
+                 bucket, all-gathered in each graph just before use (ZeRO-3 / FSDP);
+                 reshard_after_forward=False keeps the forward's gathered parameters the
+                 backward reads instead of gathering them again.
     placement  where each bucket's reduction runs. split (auto's choice for pp > 1):
                  buckets without a tied gradient in the last micro-batch's backward
                  graph, overlapping the other stages' remaining work; buckets with
@@ -36,7 +41,8 @@ class SyncOptions:
                flush: every bucket after the flush.
     """
     mode: str = "tied_first"
-    shard: bool = True
+    shard: bool | str = True
+    reshard_after_forward: bool = True  # shard="params" only
     bucket_mb: float = 25.0
     reduce_dtype: torch.dtype | None = None  # e.g. torch.float32 to reduce bf16 grads in fp32
     average: bool = True
@@ -62,6 +68,11 @@ class SyncOptions:
     def __post_init__(self):
         def bad(name, value, allowed):
             raise ValueError(f"gradsched option {name}={value!r} is not one of {allowed}.")
+        if not any(self.shard is v or self.shard == v and isinstance(v, str) for v in SHARDS):
+            bad("shard", self.shard, SHARDS)
+        if not self.reshard_after_forward and self.shard != "params":
+            raise ValueError("gradsched option reshard_after_forward=False is for shard='params' (parameters "
+                             f"sharded); shard is {self.shard!r}.")
         if self.mode not in MODES:
             bad("mode", self.mode, MODES)
         if self.placement not in PLACEMENTS:

@@ -67,6 +67,10 @@ class ParallelModel:
         if self.options.load_balance == "documents" and plan.cp > 1:
             _check_takes_seq_idx(model)
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
+        if self.options.shard == "params" and not fullgraph:
+            raise ValueError("shard='params' needs fullgraph=True: code between graph breaks runs eagerly and would "
+                             "read parameters whose storage lives only in the shards. Remove the graph breaks (or "
+                             "use shard=True).")
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.within_module_ties = shared_parameters(model)
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
@@ -326,11 +330,11 @@ class ParallelModel:
         (it gathers the stages over the pipeline group)."""
         import torch.distributed as dist
         keys = self._keys
+        local = self._local_state()
         if self.module is None or self.plan.pp == 1:
-            local = (self.stage_module if self.module is not None else self.model).state_dict()
             return {k: local[k].detach() for k in keys}
         stale = self.stale_names()
-        local = {k: v.detach().cpu() for k, v in self.stage_module.state_dict().items() if k not in stale}
+        local = {k: v.detach().cpu() for k, v in local.items() if k not in stale}
         stages = [None] * self.plan.pp
         dist.all_gather_object(stages, local, group=self.plan.process_group("pp"))
         full = {k: v for stage in stages for k, v in stage.items()}
@@ -341,6 +345,17 @@ class ParallelModel:
 
     def parameters(self):
         return (p for _, p in self.named_parameters())
+
+    def _local_state(self) -> dict:
+        """This rank's module's state dict; under shard="params", with the parameters gathered whole (their own
+        storage is released: read, they would read memory they no longer own)."""
+        local = (self.stage_module if self.module is not None else self.model).state_dict()
+        if self.grad_sync is None or self.grad_sync.param_shards is None:
+            return local
+        full = self.grad_sync.full_parameters()
+        by_id = {id(p): full[n] for n, p in self.grad_sync.params.items()}
+        names = dict(self.stage_module.named_parameters(remove_duplicate=False))
+        return {k: by_id.get(id(names.get(k)), v) for k, v in local.items()}
 
     def schedule_report(self) -> str:
         return self.grad_sync.schedule_report()

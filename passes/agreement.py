@@ -52,7 +52,9 @@ def collective_sequences(gm: fx.GraphModule) -> dict[str, list[tuple]]:
         if is_collective(n):
             v = n.args[0].meta["val"]
             ident = json.dumps((n.meta.get(META_KEY) or {}).get("identity"))
-            seqs.setdefault(collective_group(n), []).append((collective_kind(n), str(v.dtype), v.numel(), ident))
+            # a size that depends on an input's dynamic shape is a symbol, named differently by each process
+            numel = v.numel() if isinstance(v.numel(), int) else "dynamic"
+            seqs.setdefault(collective_group(n), []).append((collective_kind(n), str(v.dtype), numel, ident))
     return seqs
 
 

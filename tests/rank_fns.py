@@ -281,7 +281,7 @@ def resume_runs(rank, world, runs):
     return out
 
 
-def load_after_training_started(rank, world, path, resave_to):
+def load_after_training_started(rank, world, path, resave_to, shard=True):
     """pp2: one step, then load the checkpoint at `path` into the running stages and save it again at
     `resave_to` at once; return each rank's parameters right after the load (a step with the
     restored optimizer must run after it)."""
@@ -289,13 +289,13 @@ def load_after_training_started(rank, world, path, resave_to):
     plan = gradsched.ParallelPlan.from_world(pp=2)
     torch.manual_seed(1)  # other weights than the checkpoint's
     model = gradsched.parallelize(TinyGPT(GPTConfig(vocab=97)), plan=plan, loss_fn=lm_loss,
-                                  split_points=["blocks.1"], compiler="eager", microbatches=2)
+                                  split_points=["blocks.1"], compiler="eager", microbatches=2, shard=shard)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     x, y = make_batch(4, GPTConfig(vocab=97))
     model.train_step(x, y)
     opt.step()
     step = gradsched.load(path, model, opt)["step"]
-    params = {n: p.detach().clone() for n, p in model.grad_sync.params.items()}
+    params = {n: p.clone() for n, p in model.grad_sync.full_parameters().items()}  # shard="params": gathered
     gradsched.save(resave_to, model, opt, step=step)
     model.train_step(x, y)
     opt.step()
@@ -424,3 +424,37 @@ def uneven_batches(rank, world, job: Job, batches: list):
     sync = sync_of(model.parameters())
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "graphs_compiled": torch._dynamo.utils.counters["stats"]["unique_graphs"], "sync_runs": sync.sync_runs}
+
+
+def parallelize_refusal(rank, world, options: dict):
+    """What parallelize says of these options (None: accepted)."""
+    try:
+        gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan.from_world(), loss_fn=lm_loss, **options)
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def bf16_parameters_sharded(rank, world):
+    """shard="params" with bf16 parameters: one AdamW step; whether each of this rank's bf16 shard pieces is
+    its fp32 master rounded, and whether the next forward (which gathers the shards) computes the loss an
+    unsharded bf16 copy holding the gathered values computes."""
+    plan = gradsched.ParallelPlan.from_world(pp=1)
+    torch.manual_seed(0)
+    model = gradsched.parallelize(TinyGPT().to(torch.bfloat16), plan=plan, loss_fn=lm_loss, compiler="eager",
+                                  shard="params")
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = make_batch(4, TinyGPT().config, seed=1)
+    model.train_step(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
+    opt.step()
+    shards = model.grad_sync.param_shards
+    exact = bool(opt.pieces) and all(
+        master.dtype == torch.float32 and
+        torch.equal(shards.shards[pc.bucket][pc.at:pc.at + pc.numel], master.detach().to(torch.bfloat16))
+        for pc, master in zip(opt.pieces, opt.masters))
+    full = model.state_dict()
+    loss = float(model.train_step(x, y))
+    torch.manual_seed(0)
+    copy = TinyGPT().to(torch.bfloat16)
+    copy.load_state_dict(full)
+    return {"exact": exact, "loss": loss, "copy_loss": float(lm_loss(copy(x), y))}

@@ -27,6 +27,9 @@ RESUMED_AT = {  # name -> (the second half's layout, tolerance)
     "same_layout": (job(2, 2), 1e-6),
     "pp1_dp4": (job(1, 4), 1e-5),  # other reduction groups: fp32 sums in another order
     "other_bucket_mb": (job(2, 2, bucket_mb=0.004), 1e-6),
+    # parameters as shards (shard="params"): loaded into the shards, saved gathered whole
+    "params_sharded": (job(2, 2, shard="params"), 1e-6),
+    "params_sharded_pp1_dp4": (job(1, 4, shard="params"), 1e-5),
 }
 
 
@@ -35,6 +38,9 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     plan = [(job(2, 2), str(d / "uninterrupted"), None, 4), (job(2, 2), str(d / "first_half"), None, 2)]
     plan += [(layout, str(d / name), str(d / "first_half"), 4) for name, (layout, _) in RESUMED_AT.items()]
+    # and back: a first half with sharded parameters, resumed with shard=True
+    plan += [(job(2, 2, shard="params"), str(d / "params_first_half"), None, 2),
+             (job(2, 2), str(d / "back_from_params"), str(d / "params_first_half"), 4)]
     per_rank = run_ranks(resume_runs, 4, plan, timeout_s=600)
     return d, [r["start"] for r in per_rank[0]]
 
@@ -46,6 +52,13 @@ def test_a_run_resumed_at_any_layout_continues_as_if_never_stopped(name, runs):
     resumed = checkpoint_contents(str(d / name))
     assert any(k.endswith("/exp_avg_sq") for k in resumed)  # the moments are compared, not only weights
     assert max_state_diff(checkpoint_contents(str(d / "uninterrupted")), resumed) <= RESUMED_AT[name][1]
+
+
+def test_a_run_with_sharded_parameters_saves_what_shard_true_resumes_as_if_never_stopped(runs):
+    d, starts = runs
+    assert starts[-1] == 2
+    assert max_state_diff(checkpoint_contents(str(d / "uninterrupted")), checkpoint_contents(str(d / "back_from_params"))) \
+        <= 1e-6
 
 
 def test_a_crash_mid_save_leaves_the_last_checkpoint_loadable_and_the_partial_one_refused(tmp_path, runs):
@@ -62,10 +75,13 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_loadable_and_the_partial_on
     assert "wte.weight: saved (97, 32), model (96, 32)" in other_model["error"]
 
 
-def test_a_checkpoint_loaded_into_running_stages_reaches_every_copy_and_saves_again_unchanged(runs, tmp_path):
+@pytest.mark.parametrize("shard,world", [(True, 2), ("params", 4)], ids=["shard_true_pp2", "params_pp2_dp2"])
+def test_a_checkpoint_loaded_into_running_stages_reaches_every_copy_and_saves_again_unchanged(runs, tmp_path, shard,
+                                                                                               world):
+    # shard="params": loaded into each rank's shards after the first step laid them out, read back gathered
     d, _ = runs
     saved = checkpoint_contents(str(d / "first_half"))
-    for params in run_ranks(load_after_training_started, 2, str(d / "first_half"), str(tmp_path)):
+    for params in run_ranks(load_after_training_started, world, str(d / "first_half"), str(tmp_path), shard):
         for name, p in params.items():  # stage 1's head is the embedding's copy, saved under its first name
             assert p.equal(saved[f"model/{'wte.weight' if name == 'lm_head.weight' else name}"]), name
     # saved again before any step (at pp2 x dp1, from a pp2 x dp2 checkpoint): the same state

@@ -29,9 +29,11 @@ def test_torch_compile_with_backend_name_trains_like_one_process(options, distri
     assert cmp["max_abs_diff"] < 1e-5 and cmp["uncovered"] == []
 
 
-def test_torch_compile_with_backend_name_refuses_what_only_a_driver_can_run():
-    msg = run_ranks(backend_name_refusal, 2, {"microbatches": 2})[0]
-    assert "microbatches=2" in msg and "gradsched.parallelize" in msg
+@pytest.mark.parametrize("options,named", [({"microbatches": 2}, "microbatches=2"),
+                                           ({"shard": "params"}, "shard='params'")])
+def test_torch_compile_with_backend_name_refuses_what_only_a_driver_can_run(options, named):
+    msg = run_ranks(backend_name_refusal, 2, options)[0]
+    assert named in msg and "gradsched.parallelize" in msg
 
 
 def test_decorator_on_a_model_class_trains_the_pipeline_like_one_process():

@@ -48,9 +48,10 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
                        f"{r['bytes']:>9} B  {r['role']:<20} bucket {r['bucket']}: {what}")
     if plan.shard:
         grad = names[plan.grad_group.name]
+        when = "in each graph, before use" if plan.params_sharded else "after step:"
         for b, dtype in zip(plan.layout.buckets, plan.gather_dtypes):
             dtype = str(dtype).replace("torch.", "")
-            out.append(f"   after step: all_gather   {grad:<16} {dtype:<8} bucket {b.index} params "
+            out.append(f"   {when} all_gather   {grad:<16} {dtype:<8} bucket {b.index} params "
                        f"({b.numel} elements)")
     for sg in graphs:
         verdict = verdicts.get(sg.where)

@@ -32,8 +32,8 @@ from gradsched.passes.verify import Verdict
 from gradsched.sync import report
 from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
-from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_stage
-from gradsched.sync.stage_setup import StageSetup
+from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_forward, build_stage
+from gradsched.sync.stage_setup import StageSetup, process_group
 from gradsched.sync.watchdog import JOURNAL
 
 
@@ -51,6 +51,7 @@ class GradSync:
         self.sync_runs = 0  # steps whose gradients were reduced: once per optimizer step
         self.flush_seconds: list[float] = []  # wall time of each flush graph run
         self.attention_reports: list = []  # ContextParallelReport of each compiled forward (cp > 1)
+        self.param_shards = None  # shard="params": where the parameters live (gradsched.sync.param_shards)
 
     @contextlib.contextmanager
     def step_boundary(self, last: bool):
@@ -65,21 +66,33 @@ class GradSync:
     def _ends_step(self) -> bool:
         return self._last_microbatch if self.explicit_steps else True
 
-    # ---- compile time: the backend hands over the stage's backward graph ------------------------
+    # ---- compile time: the backend hands over the stage's graphs -------------------------------
+    def register_forward(self, fw_gm: fx.GraphModule, example_inputs, names: dict[str, str],
+                         params: dict[str, torch.nn.Parameter]):
+        """shard="params": the forward graph gathering its parameters (`names`: placeholder -> parameter
+        name); the first lays the parameters out as shards and releases their storage."""
+        self.param_shards, forward = build_forward(fw_gm, example_inputs, names, params, self.setup, self.options,
+                                                   self.param_shards)
+        return forward
+
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
-                          params: dict[str, torch.nn.Parameter]):
+                          params: dict[str, torch.nn.Parameter], param_names: dict[str, str] | None = None):
         """Build the stage's sync from this backward graph (gradsched.sync.stage_build); return the
-        callable to run as the backward."""
-        built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built)
+        callable to run as the backward. `param_names`: its forward graph's placeholder -> parameter
+        name (shard="params")."""
+        built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
+                            self.param_shards, param_names)
         self.built = built
         attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())
         sg = built.graphs.get("backward")
 
+        shards = (lambda: self.param_shards.inputs(built.param_inputs)) if built.param_inputs else list
+
         def plain(args):  # earlier micro-batches (or every one, with nothing to reduce here): autograd accumulates
             self.backward_calls += 1
-            return built.plain(args)
+            return built.plain(list(args) + shards())
         plain._boxed_call = True
         if sg is None:
             return plain
@@ -91,7 +104,7 @@ class GradSync:
             self._check_once(sg)
             record = sg.record
             acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
-            outs = list(sg.fn(list(args) + acc))
+            outs = list(sg.fn(list(args) + shards() + acc))
             for n in record.acc_inputs:
                 params[n].grad = None  # consumed: the reduced gradient replaces it
             self.results.update(zip((b.index for b in sg.layout.buckets), outs[record.n_outputs:]))
@@ -149,6 +162,14 @@ class GradSync:
     def params(self) -> dict[str, torch.nn.Parameter]:
         """The stage's trained parameters by name, as the plan names them."""
         return self._require_built().params
+
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters by name, whole and detached. Under shard="params" they are gathered from
+        the shards into new tensors (a collective: every rank of the gradient group calls it), since the
+        parameters' own storage is released."""
+        if self.param_shards is None:
+            return {n: p.detach() for n, p in self.params.items()}
+        return self.param_shards.gathered(process_group(self.setup.grad_group))
 
     @property
     def ties(self) -> dict:

@@ -21,11 +21,13 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from gradsched.passes import grad_ready_order
+from gradsched.passes.param_gather import gather_params
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_sync import SyncRecord
 
 from gradsched.sync.compile import compile_graph
 from gradsched.options import SyncOptions
+from gradsched.sync.param_shards import ParamShards, shard_parameters
 from gradsched.sync.preflight import check_backward_graph
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_graphs import backward_sync_graph, flush_sync_graph
@@ -54,19 +56,30 @@ class BuiltStage:
     params: dict  # name -> the stage's trained Parameter
     plain: object  # the unchanged backward, compiled (micro-batches before the last)
     graphs: dict  # "backward" and/or "flush" -> SyncGraph, as the plan places buckets
+    param_inputs: tuple = ()  # shard="params": the buckets whose shards the backward graphs take, appended
 
 
 def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                 params: dict[str, torch.nn.Parameter], setup: StageSetup, options: SyncOptions,
-                first: BuiltStage | None = None) -> BuiltStage:
+                first: BuiltStage | None = None, shards: ParamShards | None = None,
+                param_names: dict | None = None) -> BuiltStage:
     """`grad_names`: backward output index -> parameter name; `first`: the stage's earlier build
-    (a recompile must train the same parameters)."""
+    (a recompile must train the same parameters); `shards`: where the parameters live (shard="params"),
+    `param_names`: this backward's forward graph's placeholder -> parameter name (the backward's saved
+    inputs keep the forward's names; they mean other parameters in another graph)."""
+    param_inputs = ()
+    if shards is not None and options.reshard_after_forward:  # the backward gathers what it reads again
+        bw_gm, param_inputs, example_inputs = _gathering(bw_gm, example_inputs, shards, param_names or {}, setup,
+                                                         False)
     ready = grad_ready_order(bw_gm, grad_names)
     check_backward_graph(setup, ready, list(first.plan.ready) if first else None)
+    if shards is not None:
+        _check_sharded(ready, shards)
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement=setup.placement,
                      grad_group=setup.grad_group, tie_groups=setup.tie_groups,
                      ties={n: t.key for n, t in setup.ties.items()},
-                     param_dtypes={n: p.dtype for n, p in params.items()})
+                     param_dtypes={n: p.dtype for n, p in params.items()},
+                     layout=shards.layout if shards is not None else None)
     graphs = {}
     if "backward" in plan.graphs:
         graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options)
@@ -74,7 +87,60 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
         graphs["flush"] = _flush_graph(plan, params, options)
     plain = compile_graph(bw_gm, example_inputs, options.compiler,
                           agree=_name(options, f"the backward graph of stage {setup.stage} (a micro-batch before the last)"))
-    return BuiltStage(plan, params, plain, graphs)
+    return BuiltStage(plan, params, plain, graphs, param_inputs)
+
+
+def build_forward(fw_gm: fx.GraphModule, example_inputs, names: dict, params: dict, setup: StageSetup,
+                  options: SyncOptions, shards: ParamShards | None):
+    """shard="params": the stage's forward graph, gathering each bucket's parameters before use
+    (`names`: placeholder -> parameter name). The first call lays the parameters out as shards.
+    Returns (ParamShards, the boxed callable AOTAutograd runs as the forward)."""
+    first = shards is None
+    if first:
+        shards = shard_parameters(fw_gm, names, params, options, setup.grad_group.index, len(setup.grad_group.ranks),
+                                  {n: t.key for n, t in setup.ties.items()})
+    laid_out = {s.name for b in shards.layout.buckets for s in b.slots}
+    if set(names.values()) - laid_out:
+        raise RuntimeError(
+            f"gradsched shard='params': a second forward graph of stage {setup.stage} reads parameters "
+            f"{sorted(set(names.values()) - laid_out)} that the first did not (a graph break?). The parameters "
+            "are laid out as shards from one forward graph: compile the stage with fullgraph=True.")
+    gm, buckets, examples = _gathering(fw_gm, example_inputs, shards, names, setup, options.reshard_after_forward)
+    fn = compile_graph(gm, examples, options.compiler,
+                       agree=_name(options, f"the forward graph of stage {setup.stage}"))
+    if first:
+        shards.release()
+
+    def forward(args):
+        return fn(list(args) + shards.inputs(buckets))
+    forward._boxed_call = True
+    return shards, forward
+
+
+def _gathering(gm: fx.GraphModule, example_inputs, shards: ParamShards, names: dict, setup: StageSetup,
+               keep_placeholders_in_output: bool):
+    """(a copy of gm reading its parameters (`names`: placeholder -> parameter name) from gathered shards,
+    the buckets whose shards it takes, its example inputs)."""
+    gm, built = fx.GraphModule(gm, gm.graph.__deepcopy__()), gm
+    gm.meta.update(built.meta)
+    present = {n.name for n in gm.graph.find_nodes(op="placeholder")}
+    names = {ph: n for ph, n in names.items() if ph in present}
+    _, record = gather_params(gm, shards.spec(setup.grad_group.name, names, keep_placeholders_in_output))
+    extra = shards.inputs(record.buckets)
+    fake = detect_fake_mode(example_inputs)
+    if fake is not None:
+        extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
+    return gm, record.buckets, list(example_inputs) + extra
+
+
+def _check_sharded(ready, shards: ParamShards) -> None:
+    laid_out = {s.name for b in shards.layout.buckets for s in b.slots}
+    missing = sorted(laid_out - {r.name for r in ready})
+    if missing:
+        raise RuntimeError(
+            f"gradsched shard='params': parameters {missing} are read by the forward graph but get no gradient "
+            "in the backward graph; every sharded parameter needs one (its shard is stepped with it). Freeze them "
+            "with requires_grad_(False) before parallelize, or train them.")
 
 
 def _name(options: SyncOptions, what: str) -> str | None:

@@ -44,6 +44,7 @@ class SyncPlan:
     shard: bool
     average: bool
     gather_dtypes: tuple[torch.dtype, ...]  # per bucket: the dtype its parameters are all-gathered in
+    params_sharded: bool = False  # shard="params": the parameters live as shards of their buckets
 
     def spec(self, where: str, grad_outputs: dict[str, int], accumulate: bool) -> SyncSpec:
         """The grad-sync pass's input for graph `where`."""
@@ -66,7 +67,7 @@ class SyncPlan:
                 "tie_groups": {k: list(g.ranks) for k, g in sorted(self.tie_groups.items())},
                 "buckets": self.layout.describe(),
                 "graphs": {w: [b.index for b in part.buckets] for w, part in sorted(self.graphs.items())},
-                "gather_dtypes": [str(d) for d in self.gather_dtypes]}
+                "gather_dtypes": [str(d) for d in self.gather_dtypes], "params_sharded": self.params_sharded}
 
     def fingerprint(self) -> str:
         """Short hash of the plan: equal on two ranks exactly when they plan the same collectives."""
@@ -82,15 +83,20 @@ def gather_dtype(dtypes) -> torch.dtype:
 
 def plan_sync(ready: list[GradSpec], options: SyncOptions, *, stage: int, rank: int, placement: str,
               grad_group: Group, tie_groups: dict[str, Group], ties: dict[str, str],
-              param_dtypes: dict[str, torch.dtype]) -> SyncPlan:
+              param_dtypes: dict[str, torch.dtype], layout: BucketLayout | None = None) -> SyncPlan:
     """The stage's plan: buckets in ready order (tied gradients alone, except in unsafe_rs_first,
-    where #844's layout is the point), and which graph reduces each."""
-    layout = plan_buckets(ready, bucket_mb=options.bucket_mb, shards=len(grad_group.ranks),
-                          reduce_dtype=options.reduce_dtype, ties=ties,
-                          # a bucket of its own for each tied gradient: shard_aligned needs it for
-                          # correctness; tied_first for bitwise-equal copies (the reduce-scatter then
-                          # sums every copy's elements in the same order)
-                          align_ties=options.mode != "unsafe_rs_first")
+    where #844's layout is the point), and which graph reduces each. `layout`: the one the
+    parameters already live in (shard="params": laid out at the forward's compile)."""
+    layout = layout or plan_layout(ready, options, len(grad_group.ranks), ties)
     gather = tuple(gather_dtype(param_dtypes[s.name] for s in b.slots) for b in layout.buckets)
     return SyncPlan(stage, rank, tuple(ready), layout, place_buckets(layout, placement), grad_group,
-                    dict(tie_groups), dict(ties), placement, options.mode, options.shard, options.average, gather)
+                    dict(tie_groups), dict(ties), placement, options.mode, bool(options.shard), options.average, gather,
+                    options.shard == "params")
+
+
+def plan_layout(ready: list[GradSpec], options: SyncOptions, shards: int, ties: dict[str, str]) -> BucketLayout:
+    return plan_buckets(ready, bucket_mb=options.bucket_mb, shards=shards, reduce_dtype=options.reduce_dtype, ties=ties,
+                        # a bucket of its own for each tied gradient: shard_aligned needs it for
+                        # correctness; tied_first for bitwise-equal copies (the reduce-scatter then
+                        # sums every copy's elements in the same order)
+                        align_ties=options.mode != "unsafe_rs_first")

@@ -47,7 +47,7 @@ from gradsched.sync.watchdog import JOURNAL, CollectiveFault
 from gradsched.training.checkpoint_files import (LATEST, MANIFEST, CheckpointError, checkpoint_dir, damage, damaged,
                                                  file_sum, read_manifest, write_manifest)
 from gradsched.training.checkpoint_state import (dcp_call, model_tensors, optimizer_entries, pieces_api, restore_into,
-                                                 trained_module_names_all)
+                                                 sharded_parameter_names, trained_module_names_all)
 
 __all__ = ["CheckpointError", "checkpoint_dir", "load", "save"]
 
@@ -184,9 +184,13 @@ def _load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
     state["meta/step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # host metadata
     state["meta/data_position"] = torch.zeros((), dtype=torch.int64, device="cpu")
     dcp_call("loading", where, lambda: dcp.load(state, checkpoint_id=where))
+    sharded = sharded_parameter_names(model)  # shard="params": their own storage is released
     with torch.no_grad():
         for k, v in mine.items():
-            v.copy_(state[f"model/{k}"])
+            if id(v) in sharded:
+                find_sync(model).param_shards.set_whole(sharded[id(v)], state[f"model/{k}"])
+            else:
+                v.copy_(state[f"model/{k}"])
     if optimizer is not None:
         # a checkpoint saved before the optimizer's first step has no state: the optimizer starts
         # afresh from the loaded parameters. Otherwise its state is read for this rank's layout,

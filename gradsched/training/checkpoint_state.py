@@ -96,7 +96,20 @@ def model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
     # makes non-persistent buffers, such as rotary inv_freq, part of a stage's state)
     known = set(trained_module_names_all(model))
     out = {canon.get(k, k): v for k, v in _trained_module(model).state_dict(keep_vars=True).items() if k not in skip}
+    sync = find_sync(model)
+    if writing and sync is not None and sync.param_shards is not None:  # shard="params": the values, gathered
+        full = sync.full_parameters()
+        by_id = {id(p): full[n] for n, p in sync.params.items()}
+        out = {k: by_id.get(id(v), v) for k, v in out.items()}
     return {k: v for k, v in out.items() if k in known}
+
+
+def sharded_parameter_names(model) -> dict[int, str]:
+    """id(parameter) -> name, for the parameters that live as shards (shard="params", once laid out)."""
+    sync = find_sync(model)
+    if sync is None or sync.param_shards is None:
+        return {}
+    return {id(p): n for n, p in sync.params.items()}
 
 
 # ---- pieces as DCP sees them ----------------------------------------------------------------

@@ -4,7 +4,8 @@ The sync graph leaves, per bucket, this rank's reduced gradient shard. The optim
 holds an fp32 master copy of each piece of a parameter that the shard holds
 (gradsched.training.shards), steps them with the wrapped torch.optim optimizer, one parameter
 group per set of options (gradsched.training.param_groups), then all-gathers the buckets in the
-parameters' dtype and writes the parameters back. Only elementwise optimizers give on
+parameters' dtype and writes the parameters back; under shard="params", where the parameters
+live as shards, it writes this rank's shards and nothing is gathered. Only elementwise optimizers give on
 pieces what they give on whole tensors, so only those are accepted (ELEMENTWISE).
 Tied copies receive identical gradients and options, so they stay equal.
 
@@ -93,8 +94,8 @@ class DistributedOptimizer:
         if not issubclass(self.optimizer_class, ELEMENTWISE):
             _refuse_non_elementwise(self.optimizer_class)
         self.pieces = owned_pieces(plan.layout, plan.grad_group.index)
-        self.masters = [torch.nn.Parameter(params[pc.name].detach().reshape(-1)[pc.lo:pc.hi].float().clone())
-                        for pc in self.pieces]
+        shards = sync.param_shards if plan.params_sharded else None  # the parameters' storage is released
+        self.masters = [torch.nn.Parameter(_master(shards, pc, params)) for pc in self.pieces]
         self.optimizer = self.optimizer_class(
             _groups(range(len(self.pieces)), {i: options[pc.name] for i, pc in enumerate(self.pieces)},
                     self.masters.__getitem__), **self.kwargs)
@@ -127,7 +128,12 @@ class DistributedOptimizer:
         for pc, master in zip(self.pieces, self.masters):
             master.grad = reduced[pc.bucket][pc.at:pc.at + pc.numel].float()
         self.optimizer.step()
-        self._gather(sync)
+        if plan.params_sharded:  # the parameters are the shards: the next graphs gather them
+            for pc, master in zip(self.pieces, self.masters):
+                if master.dtype != sync.param_shards.shards[pc.bucket].dtype:  # fp32 shards are the masters
+                    sync.param_shards.write(pc.bucket, pc.at, master.detach())
+        else:
+            self._gather(sync)
         sync.clear_results()
 
     def _gather(self, sync) -> None:
@@ -166,6 +172,16 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state):
         self.state_dict()  # the same answer
+
+
+def _master(shards, pc, params) -> torch.Tensor:
+    """The fp32 master of piece `pc`: under shard="params", a view of an fp32 shard (the optimizer then
+    steps the parameters' only copy in place: no second fp32 copy), or a copy of a lower-precision one;
+    otherwise a copy of the parameter's elements."""
+    if shards is None:
+        return params[pc.name].detach().reshape(-1)[pc.lo:pc.hi].float().clone()
+    piece = shards.shards[pc.bucket][pc.at:pc.at + pc.numel]
+    return piece if piece.dtype == torch.float32 else piece.float()
 
 
 def _refuse_non_elementwise(cls):

@@ -1,0 +1,126 @@
+"""shard="params" (ZeRO-3 / FSDP): parameters live as each rank's shard of their bucket and are
+all-gathered in the graphs just before use; training matches one process, gradient for gradient.
+
+The training cases run on 4 gloo processes and are checked as tests/test_option_matrix.py checks
+its rows (reduced gradients, every loss, every parameter, the verifier, tied copies bitwise equal).
+"""
+import pytest
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from gradsched.passes.graph_utils import GraphBuilder, c10d
+from gradsched.passes.param_gather import GatherSpec, ParamSlot, expected_ready_order, gather_params
+from test_option_matrix import CLIP, assert_like_one_process, job, run_jobs
+
+CASES = {
+    "params_pp1_dp4_m2_small_padded_buckets": job(1, 4, vocab=97, bucket_mb=0.004, microbatches=2, shard="params"),
+    "params_pp2_dp2_tied_m2_clip": job(2, 2, microbatches=2, clip=CLIP, shard="params"),
+    "params_pp2_dp2_adamw_param_groups": job(2, 2, optimizer="adamw", param_groups="decay_matrices", steps=3,
+                                             shard="params"),
+    "params_dp2_cp2": job(1, 2, 2, shard="params"),
+    "params_pp1_dp4_no_reshard_after_forward": job(1, 4, bucket_mb=0.004, shard="params",
+                                                   reshard_after_forward=False),
+    "inductor_params_pp2_dp2_m2": job(2, 2, vocab=97, microbatches=2, shard="params", compiler="inductor"),
+    "inductor_params_pp1_dp4_small_buckets": job(1, 4, bucket_mb=0.004, shard="params", compiler="inductor"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return run_jobs(CASES)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_sharded_parameters_train_like_one_process(name, runs):
+    assert_like_one_process(CASES[name], runs[name])
+
+
+def test_each_rank_holds_its_shard_of_the_parameters_and_no_whole_one(runs):
+    for r in runs["params_pp1_dp4_m2_small_padded_buckets"]:
+        whole = sum(v.numel() * v.element_size() for v in r["params"].values())
+        assert r["param_storage_bytes"] == 0  # the parameters' own storage is released
+        assert whole / 4 <= r["param_shard_bytes"] <= 1.15 * whole / 4  # a quarter, plus bucket padding
+
+
+def graph_of_three_linears():
+    """x @ w0 @ w1 @ w2, each weight a placeholder (as AOTAutograd's forward graph takes parameters)."""
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    b = GraphBuilder(gm, FakeTensorMode())
+    x = b.placeholder("x", [2, 4], torch.float32, torch.device("cpu"))
+    ws = [b.placeholder(f"w{i}", [4, 4], torch.float32, torch.device("cpu")) for i in range(3)]
+    h = x
+    for w in ws:
+        h = b.call(torch.ops.aten.mm.default, h, w)
+    gm.graph.output((h, ws[2]))  # w2 saved for the backward, as a forward graph does
+    gm.recompile()
+    return gm
+
+
+def spec(keep: bool) -> GatherSpec:  # one weight per bucket, 2 ranks
+    return GatherSpec({f"w{i}": ParamSlot(i, 0, 16, (4, 4), torch.float32) for i in range(3)},
+                      {i: 8 for i in range(3)}, {i: torch.float32 for i in range(3)}, "dp", 2, keep)
+
+
+def ancestors(n):
+    seen, todo = set(), list(n.all_input_nodes)
+    while todo:
+        a = todo.pop()
+        if a not in seen:
+            seen.add(a)
+            todo.extend(a.all_input_nodes)
+    return seen
+
+
+def test_each_bucket_is_gathered_before_use_and_one_bucket_ahead_not_more():
+    gm, record = gather_params(graph_of_three_linears(), spec(keep=True))
+    assert record.buckets == (0, 1, 2) and record.kept == ()
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    mms = [n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default]
+    assert len(gathers) == 3
+    for k in range(3):
+        assert gathers[k] in ancestors(mms[k])  # the matmul reads the gathered bucket
+    assert mms[0] in ancestors(gathers[1]) and mms[1] in ancestors(gathers[2])  # prefetch: after the previous use
+    assert mms[1] not in ancestors(gathers[1]) and mms[2] not in ancestors(gathers[2])  # ... not after its own
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    assert not phs["w0"].users and not phs["w1"].users  # no whole parameter is read
+    assert list(phs["w2"].users) == [gm.graph.output_node()]  # kept as the saved value: the backward gathers again
+
+
+def test_without_resharding_the_saved_parameter_is_the_gathered_view():
+    gm, record = gather_params(graph_of_three_linears(), spec(keep=False))
+    assert len(record.kept) == 1  # the forward's output keeps bucket 2 gathered for the backward
+    assert not [n for n in gm.graph.nodes if n.op == "placeholder" and n.name.startswith("w") and n.users]
+
+
+def test_gradients_are_expected_ready_in_the_reverse_order_of_first_use():
+    gm = graph_of_three_linears()
+    order = expected_ready_order(gm, {f"w{i}": (f"p{i}", (4, 4), torch.float32) for i in range(3)})
+    assert [g.name for g in order] == ["p2", "p1", "p0"]
+
+
+def test_a_node_reading_two_buckets_first_chains_the_second_gather_to_the_first_bucket():
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    b = GraphBuilder(gm, FakeTensorMode())
+    ws = [b.placeholder(f"w{i}", [4, 4], torch.float32, torch.device("cpu")) for i in range(2)]
+    gm.graph.output((b.call(torch.ops.aten.add.Tensor, ws[0], ws[1]),))  # one node, the first use of both
+    gm.recompile()
+    gm, record = gather_params(gm, spec(keep=True))
+    gm.graph.lint()  # every node defined before it is read
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    assert record.buckets == (0, 1) and gathers[0] in ancestors(gathers[1])
+
+
+def test_parallelize_refuses_sharded_parameters_with_graph_breaks():
+    from gradsched.launch import run_ranks
+    from rank_fns import parallelize_refusal
+    [msg] = run_ranks(parallelize_refusal, 1, {"shard": "params", "fullgraph": False})
+    assert msg.startswith("ValueError: shard='params' needs fullgraph=True")
+
+
+def test_bf16_sharded_parameters_are_their_fp32_masters_rounded_and_gathered_as_such():
+    from gradsched.launch import run_ranks
+    from rank_fns import bf16_parameters_sharded
+    for r in run_ranks(bf16_parameters_sharded, 2):
+        assert r["exact"]
+        assert abs(r["loss"] - r["copy_loss"]) <= 2e-2 * abs(r["copy_loss"])  # bf16 kernels, two programs
