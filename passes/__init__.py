@@ -24,7 +24,9 @@ graph's first collective; `gradsched.sync.runtime` only runs the graphs):
                                                their digest and a check that the peers' match
 
 Context parallelism (context_parallel.py) lowers attention into ring steps on the
-forward graph, before AOTAutograd.
+forward graph, before AOTAutograd. With shard="params", gather_params (param_gather.py)
+rewrites the forward graph and the backward graph first (gradsched.sync.stage_build): every
+parameter is read from its bucket, all-gathered just before use, one bucket ahead.
 
 Each pass's module docstring states the invariant it establishes and what it assumes.
 `GRADSCHED_PRINT_GRAPHS=1` prints each stage's backward graph before the pipeline
