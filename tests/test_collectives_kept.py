@@ -18,25 +18,32 @@ from gradsched.cp.ring_attention import ring_attention
 from gradsched.passes.graph_utils import COLLECTIVES
 
 
-def graphs_for_rank(rank: int, call, world: int = 2) -> list:
+def compiled_for_rank(rank: int, call, world: int, compile_graph, decompositions=None) -> list:
+    """compile_graph(gm, example_inputs) -> (callable, what to keep) for the forward and backward graphs of
+    `call` on `rank` (a fake process group: no peers, no data); returns what it kept, in compile order."""
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
-        graphs = []
+        kept = []
 
-        def keep_graph(gm, example_inputs):
-            graphs.append(gm)
-            return gm.forward
-        backend = aot_autograd(fw_compiler=keep_graph, bw_compiler=keep_graph,
+        def compiler(gm, example_inputs):
+            fn, keep = compile_graph(gm, example_inputs)
+            kept.append(keep)
+            return fn
+        backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler, decompositions=decompositions,
                                partition_fn=min_cut_rematerialization_partition)
         torch._dynamo.reset()
         compiled = torch.compile(lambda q, k, v: call(q, k, v, dist.group.WORLD.group_name), backend=backend,
                                  fullgraph=True)
         q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
         compiled(q, k, v).sum().backward()
-        return graphs
+        return kept
     finally:
         dist.destroy_process_group()
         torch._dynamo.reset()
+
+
+def graphs_for_rank(rank: int, call, world: int = 2) -> list:
+    return compiled_for_rank(rank, call, world, lambda gm, _: (gm.forward, gm))
 
 
 def collectives_without_a_use(gm) -> list[str]:
@@ -76,27 +83,14 @@ def test_every_rank_of_the_plain_layouts_causal_ring_compiles_the_same_collectiv
 
 def inductor_code_for_rank(rank: int, call, world: int) -> list:
     """(FX graph, Inductor's output code) of the forward and backward graphs of `call` on `rank`."""
-    from gradsched.sync.compile import compile_graph
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    try:
-        out = []
+    from torch._inductor.decomposition import select_decomp_table
 
-        def inductor(gm, example_inputs):
-            fn = compile_graph(gm, example_inputs, "inductor")
-            out.append((gm, fn.source_code))
-            return fn
-        from torch._inductor.decomposition import select_decomp_table
-        backend = aot_autograd(fw_compiler=inductor, bw_compiler=inductor, decompositions=select_decomp_table(),
-                               partition_fn=min_cut_rematerialization_partition)  # as gradsched's backend
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda q, k, v: call(q, k, v, dist.group.WORLD.group_name), backend=backend,
-                                 fullgraph=True)
-        q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
-        compiled(q, k, v).sum().backward()
-        return out
-    finally:
-        dist.destroy_process_group()
-        torch._dynamo.reset()
+    from gradsched.sync.compile import compile_graph
+
+    def inductor(gm, example_inputs):
+        fn = compile_graph(gm, example_inputs, "inductor")
+        return fn, (gm, fn.source_code)
+    return compiled_for_rank(rank, call, world, inductor, select_decomp_table())  # as gradsched's backend
 
 
 CODE_NAMES = {"all_to_all_single": "all_to_all", "all_gather_into_tensor": "all_gather",

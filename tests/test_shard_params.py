@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from gradsched.passes.graph_utils import GraphBuilder, c10d
 from gradsched.passes.param_gather import GatherSpec, ParamSlot, expected_ready_order, gather_params
+from test_graph_agreement import ancestors
 from test_option_matrix import CLIP, assert_like_one_process, job, run_jobs
 
 CASES = {
@@ -60,16 +61,6 @@ def graph_of_three_linears():
 def spec(keep: bool) -> GatherSpec:  # one weight per bucket, 2 ranks
     return GatherSpec({f"w{i}": ParamSlot(i, 0, 16, (4, 4), torch.float32) for i in range(3)},
                       {i: 8 for i in range(3)}, {i: torch.float32 for i in range(3)}, "dp", 2, keep)
-
-
-def ancestors(n):
-    seen, todo = set(), list(n.all_input_nodes)
-    while todo:
-        a = todo.pop()
-        if a not in seen:
-            seen.add(a)
-            todo.extend(a.all_input_nodes)
-    return seen
 
 
 def test_each_bucket_is_gathered_before_use_and_one_bucket_ahead_not_more():
