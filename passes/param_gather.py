@@ -7,7 +7,7 @@ appended after the existing ones in first-use order (`GatherRecord.buckets`), is
 shard; one all-gather per bucket, over the data-parallel group, rebuilds the bucket.
 
 Prefetch, one bucket ahead: bucket k+1's gather reads its shard through a zero made from the
-first value computed from bucket k (x - 0.0, bit for bit; from bucket k's gathered buffer when one
+first value computed from bucket k past its views (x - 0.0, bit for bit; from bucket k's gathered buffer when one
 node is the first use of both), so no scheduler can issue it earlier,
 and at most two buckets are gathered ahead of their use; bucket 0's is issued first. A gathered
 buffer dies after its last use in the graph (Inductor frees it then); `GatherRecord.kept` names
@@ -100,8 +100,8 @@ def gather_params(gm: fx.GraphModule, spec: GatherSpec) -> tuple[fx.GraphModule,
                 if view.meta["val"].dtype != s.dtype:
                     view = b.call(torch.ops.prims.convert_element_type.default, view, s.dtype)
                 ph.replace_all_uses_with(view, delete_user_cb=lambda u: u is not out or not spec.keep_placeholders_in_output)
-        use = first if isinstance(first.meta.get("val"), torch.Tensor) else gathered
-        previous = (use, gathered)
+        use = _computed_from(first, order)
+        previous = (use if isinstance(use.meta.get("val"), torch.Tensor) else gathered, gathered)
     kept = tuple(str(a) for a in out.args[0] if _aliases_a_gather(a, gathered_nodes))
     gm.graph.lint()
     gm.recompile()
@@ -136,6 +136,17 @@ def _zero_from(b: GraphBuilder, node: fx.Node, dtype: torch.dtype) -> fx.Node:
 _VIEWS = {aten.view.default, aten.slice.Tensor, aten.t.default, aten.permute.default, aten.transpose.int,
           aten.reshape.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default,
           aten._unsafe_view.default}
+
+
+def _computed_from(node: fx.Node, order: dict) -> fx.Node:
+    """The first node past `node`'s chain of views (a view is no use: the next bucket would be
+    gathered as soon as this one arrives)."""
+    while node.op == "call_function" and node.target in _VIEWS:
+        users = [u for u in node.users if u in order and u.op != "output"]
+        if not users:
+            break
+        node = min(users, key=order.__getitem__)
+    return node
 
 
 def _sink_views(gm: fx.GraphModule, params: set) -> None:

@@ -115,3 +115,23 @@ def test_bf16_sharded_parameters_are_their_fp32_masters_rounded_and_gathered_as_
     for r in run_ranks(bf16_parameters_sharded, 2):
         assert r["exact"]
         assert abs(r["loss"] - r["copy_loss"]) <= 2e-2 * abs(r["copy_loss"])  # bf16 kernels, two programs
+
+
+def test_a_weights_transpose_computed_at_the_graphs_top_does_not_gather_its_bucket_there():
+    # AOTAutograd's backward computes every weight's transpose first; the gather must wait for the use
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    b = GraphBuilder(gm, FakeTensorMode())
+    x = b.placeholder("x", [2, 4], torch.float32, torch.device("cpu"))
+    ws = [b.placeholder(f"w{i}", [4, 4], torch.float32, torch.device("cpu")) for i in range(2)]
+    transposes = [b.call(torch.ops.aten.t.default, w) for w in ws]  # both at the top
+    h = x
+    for t in transposes:
+        h = b.call(torch.ops.aten.relu.default, b.call(torch.ops.aten.mm.default, h, t))
+    gm.graph.output((h,))
+    gm.recompile()
+    gm, _ = gather_params(gm, spec(keep=False))
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    first_mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    assert first_mm in ancestors(gathers[1])  # bucket 1 is gathered after bucket 0 is used, not at the top
+    order = list(gm.graph.nodes)
+    assert order.index(gathers[1]) > order.index(first_mm)  # and stands there in the graph (eager runs it so)
