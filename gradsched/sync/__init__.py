@@ -5,7 +5,9 @@ buckets and who reduces them, plain data) -> sync_graphs (the pass pipeline of g
 step by step) -> stage_build (compiled graphs, via compile) -> preflight and fingerprint (checked
 before the first collective, on every rank) -> runtime (GradSync, which only runs them). ties
 finds which parameters are one weight; report prints the plan per rank; compiled_code reads
-what Inductor's output code does, in order.
+what Inductor's output code does, in order. agreement opens every compiled graph's collectives
+with the peers' agreement (each run); param_shards holds the parameters as shards under
+shard="params" (laid out when the forward graph compiles).
 
 May import: gradsched.passes, gradsched.cp (the report names CP calls) and the foundation
 modules (plan, options, user_errors). Never training or the public API.
