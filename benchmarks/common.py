@@ -30,3 +30,19 @@ def median_of_slowest(ranks: list[dict], key: str = "step_times") -> float:
     steps = list(zip(*(r[key] for r in ranks if r[key])))
     steps = steps[1:] or steps
     return statistics.median(max(s) for s in steps) if steps else float("nan")
+
+
+def peak_increment(prof) -> int:
+    """The most bytes alive over the profiled region above those alive at its start: the CPU allocator's
+    running total, which the profiler records with every allocation and free (any thread, in or outside an
+    op). The events' own memory columns are not enough: an allocation outside any op (Inductor's buffers, a
+    collective's) is counted at its enclosing event's start together with its free, so peaks vanish."""
+    from torch._C._profiler import _EventType
+    from torch.profiler._memory_profiler import OpTree
+    allocs = sorted((e for e in OpTree(prof.profiler.kineto_results).dfs() if e.typed[0] == _EventType.Allocation
+                     and e.typed[1].device.type == "cpu"), key=lambda e: e.start_time_ns)
+    if not allocs:
+        return 0
+    first = allocs[0].typed[1]
+    base = first.total_allocated - first.alloc_size  # the total just before the first event
+    return max(0, max(e.typed[1].total_allocated for e in allocs) - base)

@@ -17,10 +17,14 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
                      model and are not counted here; they show in the peak.
   state_bytes_whole  the same for the whole model in one process: parameters, gradients and AdamW's
                      two moments (fp32: 16 bytes a parameter)
-  peak_bytes_per_rank  measured: the rank's bytes alive at the start of the last step (counted as above)
-                     plus the highest running sum of torch.profiler's CPU memory records over that step
-                     (forward, backward, optimizer step); largest over ranks
-  predicted_peak_bytes  null: the dry run that predicts it is still to come (issue 26)
+  peak_bytes_per_rank  measured, largest over ranks. CPU: the rank's bytes alive at the start of the last
+                     step (counted as above) plus the most bytes alive above that over the step (forward,
+                     backward, optimizer step), from torch.profiler's memory timeline (every allocation and
+                     free). CUDA: torch.cuda.max_memory_allocated over the last step, which also counts what
+                     the rank holds beyond its training state (cuBLAS's workspaces, a library's buffers)
+  predicted_peak_bytes  gradsched's rows: the dry run's (gradsched.dryrun) peak for this plan, from the model
+                     built on the meta device in this one process, over torch's fake process group; null for
+                     DDP and FSDP2
   step_ms_median     median over steps after the first of the slowest rank, milliseconds. CPU, gloo, dp
                      ranks on 2 cores here: compare the ratios within one run only.
   max_abs_param_diff_vs_one_process  every parameter after the last step against the unsplit model
@@ -37,7 +41,7 @@ import time
 
 import torch
 
-from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RESULTS, emit, median_of_slowest, peak_increment  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from tied_training import Job, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
@@ -63,21 +67,13 @@ def optimizer_tensors(optimizer) -> list:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def peak_increment(prof) -> int:
-    """The highest running sum of the CPU memory records (each event's own allocations and frees)."""
-    run = peak = 0
-    for e in sorted(prof.events(), key=lambda e: e.time_range.start):
-        run += e.self_cpu_memory_usage
-        peak = max(peak, run)
-    return peak
-
-
 class Trainer:
     """One implementation's model and optimizer behind three calls: step, held tensors, full parameters."""
 
-    def __init__(self, impl: str, job: Job, compiler: str, bucket_mb: float = 25.0):
+    def __init__(self, impl: str, job: Job, compiler: str, bucket_mb: float = 25.0, device: str = "cpu"):
         import torch.distributed as dist
         model, _ = build_model(job)
+        model = model.to(device)
         self.impl = impl
         if impl.startswith("gradsched"):
             import gradsched
@@ -85,17 +81,21 @@ class Trainer:
             self.model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, compiler=compiler,
                                                shard="params" if impl == "gradsched_params" else True,
                                                bucket_mb=bucket_mb,
-                                               split_points=["blocks.4"] if job.pp > 1 else ())
+                                               split_points=["blocks.4"] if job.pp > 1 else (),
+                                               # a fake world has no peers to agree with
+                                               check_ranks=dist.get_backend() != "fake")
             self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
             return
         if impl == "ddp":
             from torch.nn.parallel import DistributedDataParallel
             # gradients as views of DDP's buckets: its lean setting, and the buckets are then reachable as .grad
             model = DistributedDataParallel(model, gradient_as_bucket_view=True)
+            if dist.get_backend() == "fake":  # the fake group's futures hold None, which DDP's reducer refuses
+                model.register_comm_hook(None, _fake_all_reduce_hook)
         elif impl == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
-            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            mesh = init_device_mesh(device, (dist.get_world_size(),))
             for block in model.blocks:
                 fully_shard(block, mesh=mesh)
             fully_shard(model, mesh=mesh)
@@ -135,27 +135,63 @@ class Trainer:
                 for n, p in module.named_parameters(remove_duplicate=False)}
 
 
-def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_mb: float) -> dict:
+def _fake_all_reduce_hook(state, bucket):
+    import torch.distributed as dist
+    dist.all_reduce(bucket.buffer())
+    done = torch.futures.Future()
+    done.set_result(bucket.buffer())
+    return done
+
+
+def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_mb: float,
+             device: str = "cpu") -> dict:
     from torch.profiler import ProfilerActivity, profile
-    trainer = Trainer(impl, job, compiler, bucket_mb)
+    cuda = device == "cuda"
+    trainer = Trainer(impl, job, compiler, bucket_mb, device)
     per_rank = job.global_batch // job.dp
     dp_idx = trainer.model.plan.coords()[1] if impl.startswith("gradsched") else rank  # DDP, FSDP2: all dp
     times, state, peak = [], 0, 0
     for step in range(job.steps):
         x, y = batch(job, step)
         x, y = x[dp_idx * per_rank:(dp_idx + 1) * per_rank], y[dp_idx * per_rank:(dp_idx + 1) * per_rank]
+        x, y = x.to(device), y.to(device)
         last = step == job.steps - 1
-        at_start = storage_bytes(trainer.held()) if last else 0
+        at_start = storage_bytes(trainer.held()) if last and not cuda else 0
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) if last else _nothing() as prof:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) if last and not cuda \
+                else _nothing() as prof:
             trainer.forward_backward(x, y)
             if last:
                 state = storage_bytes(trainer.held())  # gradients reduced, the optimizer about to step
             trainer.step()
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         if last:
-            peak = at_start + peak_increment(prof)
-    return {"step_times": times, "state_bytes": state, "peak_bytes": peak, "params": trainer.full_parameters()}
+            peak = torch.cuda.max_memory_allocated() if cuda else at_start + peak_increment(prof)
+    return {"step_times": times, "state_bytes": state, "peak_bytes": peak,
+            "params": trainer.full_parameters() if not cuda else {}}
+
+
+def fake_world_run(impl: str, job: Job, compiler: str, bucket_mb: float, device: str) -> list[dict]:
+    """Rank 0 of each pipeline stage's data-parallel group, played in this one process on torch's fake process
+    group (collectives move nothing): the per-rank memory of a dp-wide job on one device."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    ranks = []
+    for stage in range(job.pp):
+        dist.init_process_group("fake", store=FakeStore(), rank=stage * job.dp, world_size=job.pp * job.dp)
+        try:
+            torch._dynamo.reset()
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            ranks.append(rank_run(stage * job.dp, job.pp * job.dp, impl, job, compiler, bucket_mb, device))
+        finally:
+            dist.destroy_process_group()
+    return ranks
 
 
 class _nothing:
@@ -164,6 +200,21 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
+
+
+def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, backend: str) -> int | None:
+    """The dry run's peak for gradsched's implementations (the largest over stages)."""
+    if not impl.startswith("gradsched"):
+        return None
+    from gradsched.dryrun import dry_run
+    from tiny_gpt import TinyGPT
+    with torch.device("meta"):
+        model = TinyGPT(job.config)
+    roles = dry_run(model, lm_loss, pp=job.pp, dp=job.dp, cp=1, batch=batch_per_rank, seq=job.config.seq,
+                    split_points=["blocks.4"] if job.pp > 1 else (),
+                    optimizer_kwargs={"lr": LR, "weight_decay": WEIGHT_DECAY}, progress=lambda s: None, backend=backend,
+                    shard="params" if impl == "gradsched_params" else True, bucket_mb=bucket_mb)
+    return max(r.peak for r in roles)
 
 
 def reference_params(job: Job, backend: str | None) -> dict:
@@ -195,14 +246,29 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-per-rank", type=int, default=2)
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="gradsched's bucket_mb (its default: 25)")
+    ap.add_argument("--bucket-mb", type=float, default=None, help="gradsched's bucket_mb; default: one block's "
+                    "parameters (12.0 MiB), the unit FSDP2 gathers and reduces here (gradsched's own default: 25)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                    help="cuda: one device, so each rank is played in this process on a fake process group")
+    ap.add_argument("--fake-world", action="store_true", help="play rank 0 on a fake process group in this "
+                    "process, as --device cuda does (no communication: no parameter check; pp 1)")
     ap.add_argument("--debug", action="store_true", help="print the parameters furthest from one process")
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
                     "memory_pp{pp}_dp{dp}.jsonl")
     args = ap.parse_args(argv)
-    out = args.out if args.out is not None else RESULTS / f"memory_pp{args.pp}_dp{args.dp}.jsonl"
+    fake = args.fake_world or args.device == "cuda"
+    if fake and args.pp > 1:
+        ap.error("--device cuda / --fake-world play one rank in one process: pp 1 only (a pipeline's stages "
+                 "would need their peers)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
+    suffix = "_cuda" if args.device == "cuda" else "_fake" if fake else ""
+    out = args.out if args.out is not None else RESULTS / f"memory_pp{args.pp}_dp{args.dp}{suffix}.jsonl"
     job = Job(pp=args.pp, dp=args.dp, steps=args.steps, global_batch=args.dp * args.batch_per_rank, config=CONFIG,
               optimizer="adamw", lr=LR)
+    if args.bucket_mb is None:  # one block, as FSDP2 is wrapped: both move the same bytes at a time
+        block = build_model(job)[0].blocks[0]
+        args.bucket_mb = sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
     refs = {}
     numel = sum(p.numel() for n, p in build_model(job)[0].named_parameters())
     rows = []
@@ -210,20 +276,26 @@ def main(argv=None) -> int:
         if args.pp > 1 and not impl.startswith("gradsched"):
             print(f"memory.py: {impl} runs at pp 1 only; left out at pp {args.pp}")
             continue
-        ranks = run_ranks(rank_run, args.pp * args.dp, impl, job, args.compiler, args.bucket_mb, timeout_s=1800)
-        backend = same_kernels(impl, args.compiler)
-        if backend not in refs:
-            refs[backend] = reference_params(job, backend)
-        ref = refs[backend]
-        diffs = {n: (r["params"][n].float() - ref[n]).abs().max().item() for r in ranks for n in r["params"]}
-        diff = max(diffs.values())
-        if args.debug:
-            print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
+        if fake:
+            ranks, diff = fake_world_run(impl, job, args.compiler, args.bucket_mb, args.device), None
+        else:
+            ranks = run_ranks(rank_run, args.pp * args.dp, impl, job, args.compiler, args.bucket_mb, timeout_s=1800)
+            backend = same_kernels(impl, args.compiler)
+            if backend not in refs:
+                refs[backend] = reference_params(job, backend)
+            ref = refs[backend]
+            diffs = {n: (r["params"][n].float() - ref[n]).abs().max().item() for r in ranks for n in r["params"]}
+            diff = max(diffs.values())
+            if args.debug:
+                print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
         rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "compiler": args.compiler,
+                     "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+                     "world": "fake (rank 0 in one process, no communication)" if fake else "gloo processes",
                      "bucket_mb": args.bucket_mb if impl.startswith("gradsched") else None,
                      "parameters": numel, "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
                      "state_bytes_whole": 16 * numel, "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
-                     "predicted_peak_bytes": None,
+                     "predicted_peak_bytes": predicted_peak(impl, job, args.batch_per_rank, args.bucket_mb,
+                                                            "nccl" if args.device == "cuda" else "fake" if fake else "gloo"),
                      "step_ms_median": round(1e3 * median_of_slowest(ranks), 1),
                      "max_abs_param_diff_vs_one_process": diff})
         emit(rows[-1:], out, append=len(rows) > 1)  # each as it is measured; the file starts anew

@@ -123,8 +123,11 @@ class ParallelModel:
             args = (inputs, positions, attention_mask, seq_idx)
         return tuple(shard(t, cp, r, 1, bool(lb)) for t in args), shard(targets, cp, r, 1, bool(lb))
 
-    def _build_pipeline(self, microbatch: tuple):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+    def split(self, microbatch: tuple):
+        """Split the model into pp stages at `split_points` (torch.distributed.pipelining, traced on one
+        micro-batch). Returns (pipe, ties, checkpointed calls); every rank checks every stage, so all
+        refuse a bad split before any step."""
+        from torch.distributed.pipelining import SplitPoint, pipeline
         # Trace under no_grad: a module whose forward is itself decorated with no_grad (HF's
         # rotary embedding) otherwise becomes a wrap_with_set_grad_enabled op that export's
         # unflattener turns into a call with no arguments. The stages still run under
@@ -146,13 +149,22 @@ class ParallelModel:
             raise err from e
         check_first_stage_inputs(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
-        for stage in range(self.plan.pp):  # every rank checks every stage: all refuse, before any step
+        for stage in range(self.plan.pp):
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
+        return pipe, ties, checkpointed
+
+    def build_stage(self, pipe, ties, checkpointed) -> None:
+        """Compile this rank's stage of a split (from `split`, here or in another ParallelModel of the same
+        model: the dry run splits once for every role)."""
         stage_module = pipe.get_stage_module(self.plan.stage)
         lost = checkpoint_stage_modules(stage_module, self.model, checkpointed + hf_checkpointed_layers(self.model))
         if lost:
             warn_checkpointing_dropped(len(lost), self.plan.pp)
         self._build(ties, stage_module)
+
+    def _build_pipeline(self, microbatch: tuple):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+        self.build_stage(*self.split(microbatch))
         sync = self.grad_sync
 
         class Stage(PipelineStage):

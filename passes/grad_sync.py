@@ -21,6 +21,13 @@ graph whose outputs are its gradient inputs), `SyncSpec.grad_outputs` maps
 parameter names to output positions, and every rank of a group compiles the
 same layout (the cross-rank fingerprint checks it at run time).
 
+Memory (shard=True): one reduce-scatter in flight. Bucket k+1's reads its input through a zero
+made from bucket k's reduced shard (x - 0.0, bit for bit), so bucket k's wait comes first in every
+schedule and its input, the bucket's whole gradients, is freed before bucket k+1's are reduced
+(Inductor keeps a collective's input alive until its wait: with every wait at the graph's end, all
+of a stage's whole gradients were alive at once). The backward keeps computing while one bucket
+is reduced, as FSDP2 does.
+
 After the pass: synced gradients' outputs are None (shard=True) or views of
 the all-reduced bucket (shard=False); one extra output per bucket, appended,
 holds its reduced shard (or full bucket). With `accumulate`, one input per
@@ -112,7 +119,8 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> tuple[fx.GraphModule
         pos = position()
         anchor = max([local.get(s.name, grads[s.name]) for s in bucket.slots] + [cursor], key=pos.__getitem__)
         with gm.graph.inserting_before(anchor.next):  # keeps inserted nodes in creation order
-            results.append(_reduce_bucket(b, spec, bucket, grads, acc, local))
+            previous = results[-1] if spec.shard and results else None
+            results.append(_reduce_bucket(b, spec, bucket, grads, acc, local, previous))
         cursor = results[-1]
 
     if spec.shard and spec.mode != "tied_first":  # the tie all-reduces after the reductions, in tie order
@@ -164,7 +172,8 @@ def _tie_reduce(b: GraphBuilder, spec: SyncSpec, x: fx.Node, s, role: str, elems
     return b.collective("all_reduce", x, spec.tie_groups[s.tie], 0, tag)
 
 
-def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, local) -> fx.Node:
+def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, local,
+                   previous: fx.Node | None = None) -> fx.Node:
     kind = "reduce_scatter" if spec.shard else "all_reduce"
     dp_tag = {"role": "dp_reduce", "bucket": bucket.index, "params": [s.name for s in bucket.slots],
               "group": spec.group, "group_kind": "grad", "identity": _slot_ids(bucket)}
@@ -175,6 +184,8 @@ def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, 
         flat = b.call(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
     if spec.average and spec.group_size > 1:
         flat = b.call(aten.mul.Tensor, flat, 1.0 / spec.group_size)
+    if previous is not None:  # one reduction in flight: the previous bucket's whole gradients are freed first
+        flat = b.after(flat, previous)
     return b.collective(kind, flat, spec.group, spec.group_size, dp_tag)
 
 

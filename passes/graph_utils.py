@@ -79,6 +79,23 @@ class GraphBuilder:
             x = self.call(torch.ops.prims.convert_element_type.default, x, dtype)
         return x
 
+    def after(self, x: fx.Node, node: fx.Node) -> fx.Node:
+        """x, bit for bit, read through a zero computed from `node`: whatever reads the result runs after
+        `node` in every schedule (the passes' ordering guarantees are data dependences, which no compiler
+        may reorder)."""
+        return self.call(torch.ops.aten.sub.Tensor, x, self.zero_from(node, x.meta["val"].dtype))
+
+    def zero_from(self, node: fx.Node, dtype: torch.dtype) -> fx.Node:
+        """+0.0 computed from node's first element (never -0.0, never NaN)."""
+        aten = torch.ops.aten
+        one = self.call(aten.slice.Tensor, self.call(aten.reshape.default, node, [-1]), 0, 0, 1)
+        one = self.call(torch.ops.prims.convert_element_type.default, one, torch.float32)
+        size = self.call(aten.abs.default, one)
+        zero = self.call(aten.mul.Tensor, size, 0.0)  # abs: never -0.0
+        finite = self.call(aten.lt.Scalar, size, float("inf"))  # False for inf and NaN
+        zero = self.call(aten.where.ScalarOther, finite, zero, 0.0)  # never NaN (decomposed ops: Inductor lowers them)
+        return self.call(torch.ops.prims.convert_element_type.default, zero, dtype)
+
     def collective(self, kind: str, x: fx.Node, group: str, group_size: int, tag: dict) -> fx.Node:
         """Issue a functional collective and wait for it; both nodes carry `tag`."""
         if kind == "all_reduce":

@@ -88,8 +88,7 @@ def gather_params(gm: fx.GraphModule, spec: GatherSpec) -> tuple[fx.GraphModule,
             if previous is not None:  # one bucket ahead, not more
                 # the previous bucket's first use, or (one node reads both buckets) its gathered buffer
                 before = previous[0] if order[previous[0]] < order[first] else previous[1]
-                zero = _zero_from(b, before, spec.shard_dtype[k])
-                src = b.call(aten.sub.Tensor, shard, zero)
+                src = b.after(shard, before)
             gathered = b.call(c10d.wait_tensor.default, b.call(
                 c10d.all_gather_into_tensor.default, src, spec.group_size, spec.group))
             gathered_nodes.add(gathered)
@@ -120,17 +119,6 @@ def expected_ready_order(gm: fx.GraphModule, params: dict) -> list[GradSpec]:
             first[n.name] = min((order[u] for u in n.users if u is not out), default=-1)
     return [GradSpec(name, tuple(shape), dtype, -1) for ph, (name, shape, dtype) in
             sorted(params.items(), key=lambda kv: -first.get(kv[0], -1))]
-
-
-def _zero_from(b: GraphBuilder, node: fx.Node, dtype: torch.dtype) -> fx.Node:
-    """+0.0 computed from node's first element (never -0.0, never NaN)."""
-    one = b.call(aten.slice.Tensor, b.call(aten.reshape.default, node, [-1]), 0, 0, 1)
-    one = b.call(torch.ops.prims.convert_element_type.default, one, torch.float32)
-    size = b.call(aten.abs.default, one)
-    zero = b.call(aten.mul.Tensor, size, 0.0)  # abs: never -0.0
-    finite = b.call(aten.lt.Scalar, size, float("inf"))  # False for inf and NaN
-    zero = b.call(aten.where.ScalarOther, finite, zero, 0.0)  # never NaN (decomposed ops only: Inductor lowers them)
-    return b.call(torch.ops.prims.convert_element_type.default, zero, dtype)
 
 
 _VIEWS = {aten.view.default, aten.slice.Tensor, aten.t.default, aten.permute.default, aten.transpose.int,

@@ -22,8 +22,9 @@ def job(model, pp, dp, cp, checkpointing, **options):
                config=GPTConfig(seq=seq), options={"compiler": "eager", **options})
 
 
-CASES = {  # Llama and Qwen2 (a window), eager and Inductor, ring and a2a, dp2 x cp2 and pp2 x cp2
-    "hf_llama_non_reentrant_dp2_cp2": job("hf_llama", 1, 2, 2, "non_reentrant"),
+CASES = {  # Llama and Qwen2 (a window), eager and Inductor, ring and a2a, dp2 x cp2 and pp2 x cp2, sharded parameters
+    # the recomputation reads the parameters again: under shard="params" the backward gathers them for it
+    "hf_llama_non_reentrant_dp2_cp2_params": job("hf_llama", 1, 2, 2, "non_reentrant", shard="params"),
     # pipelining's trace drops the checkpoint: gradsched puts it back on the stage's layers
     "hf_qwen2_window_reentrant_pp2_cp2_m2_a2a": job("hf_qwen2", 2, 1, 2, "reentrant", microbatches=2, comm="a2a"),
     "inductor_hf_qwen2_window_non_reentrant_dp2_cp2": job("hf_qwen2", 1, 2, 2, "non_reentrant", compiler="inductor"),
@@ -43,7 +44,7 @@ def test_checkpointed_model_under_cp_trains_like_one_process(name, runs):
 
 
 def test_the_report_says_the_ring_runs_inside_an_activation_checkpoint(runs):
-    report = runs["hf_llama_non_reentrant_dp2_cp2"][0]["report"]
+    report = runs["hf_llama_non_reentrant_dp2_cp2_params"][0]["report"]
     assert report.count("ring, inside an activation checkpoint, ring steps [0, 1] of 2") == 2
 
 

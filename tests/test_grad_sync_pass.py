@@ -7,7 +7,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from gradsched.passes import SyncSpec, TieCheck, TieLayout, insert_grad_sync, plan_buckets, verify_graph
+from gradsched.passes import SyncSpec, TieCheck, TieLayout, insert_grad_sync, plan_buckets, sink_waits, verify_graph
 from gradsched.passes.grad_ready_order import grad_ready_order
 from gradsched.passes.graph_utils import META_KEY, is_collective
 from gradsched.passes.verify import graph_to_json, main as verify_main, to_nx
@@ -69,6 +69,26 @@ def test_collectives_are_issued_in_bucket_order():
     # the tie all-reduce goes as soon as its gradient is ready (here: an input), ahead of the buckets
     assert [(t["role"], t["bucket"]) for t in tags] == [
         ("tie_all_reduce", 2), ("dp_reduce", 0), ("dp_reduce", 1), ("dp_reduce", 2)]
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_sharded_buckets_are_reduced_one_at_a_time_and_all_reduced_ones_all_at_once(shard):
+    """Under shard=True bucket k+1's reduce-scatter reads bucket k's reduced shard (through a zero), so
+    its wait, and the freeing of bucket k's whole gradients, comes first in any schedule."""
+    shapes = {"a": (300,), "b": (300,), "c": (300,)}
+    gm = grads_graph(shapes)
+    layout = plan_buckets(grad_ready_order(gm, dict(enumerate(shapes))), bucket_mb=400 * 4 / 2**20, shards=2)
+    gm, _ = insert_grad_sync(gm, SyncSpec(layout, {n: i for i, n in enumerate(shapes)}, group="dp",
+                                          group_size=2, shard_rank=0, shard=shard))
+    sink_waits(gm)
+    G = to_nx(gm)
+    reductions = [n for n in gm.graph.nodes if is_collective(n)]
+    waits = [next(iter(c.users)) for c in reductions]
+    assert len(reductions) == 3
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for wait, following in zip(waits, reductions[1:]):
+        assert nx.has_path(G, wait.name, following.name) == shard
+        assert (order[wait] < order[following]) == shard
 
 
 @pytest.mark.parametrize("mode", ["tied_first", "shard_aligned", "unsafe_rs_first"])

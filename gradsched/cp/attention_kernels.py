@@ -49,7 +49,7 @@ def choose_kernel(device_type: str, dtype: torch.dtype, has_mask: bool,
     a plain block, results in the operand dtype)."""
     if device_type == "cpu":
         return "cpu_flash"
-    if device_type == "cuda":
+    if device_type in ("cuda", "meta"):  # meta: the dry run (gradsched.dryrun) stands in for a GPU's shapes
         if dtype in (torch.float16, torch.bfloat16) and not has_mask:
             if accumulate in FP32_MODES and triton_enabled(device_type):
                 return "triton_fp32"

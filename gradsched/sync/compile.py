@@ -9,8 +9,10 @@ from gradsched.sync.agreement import with_agreement
 
 # Inductor's own comm scheduling (torch/_inductor/comms.py), for graphs that reduce gradients:
 # raise_comms issues each collective as soon as its inputs are computed (its memory-saving
-# reorder otherwise delays them next to their waits), sink_waits keeps waits last. Neither
-# moves a collective past another: the order every rank of a group shares stays the graph's.
+# reorder otherwise delays them next to their waits), sink_waits keeps each wait as late as the
+# graph's data dependences allow (under shard=True, just before the next bucket's reduce-scatter:
+# passes/grad_sync.py). Neither moves a collective past another: the order every rank of a group
+# shares stays the graph's.
 COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
                 "reorder_for_compute_comm_overlap_passes": ["sink_waits", "raise_comms"]}
 

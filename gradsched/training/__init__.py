@@ -3,7 +3,8 @@
 optimizer (DistributedOptimizer over this rank's shards), shards (which elements a rank holds),
 param_groups (options by parameter name), clipping (the global norm as one process computes
 it), checkpoint and checkpoint_files (layout-free save and load, verified before anything is
-restored), and the entry point's pieces (cli, data).
+restored), the entry point's pieces (cli, data), and live_bytes (what a step holds, counted as
+it runs: the dry run's measure).
 
 May import: gradsched.sync, gradsched.cp, gradsched.passes and the foundation modules. Never
 the public API modules above it (parallel, backend, hf): a ParallelModel is reached through the

@@ -1,0 +1,335 @@
+"""python -m gradsched.dryrun: what a training plan needs per rank, before the GPUs are rented.
+
+    python -m gradsched.dryrun --model llama-70b --pp 8 --dp 16 --cp 8 --shard params
+
+The model is built on the meta device (shapes, no values). For each pipeline stage, one rank of it (its
+data- and context-parallel peers hold the same shapes) runs two training steps in this one process, on
+torch's fake process group (collectives return without sending anything): parallelize's own stage build,
+every gradsched pass, the graphs run by compiler="eager", the pipeline schedule's order of micro-batches,
+and the DistributedOptimizer's step. Nothing is modelled by hand; what is counted is what ran.
+
+Per role it prints:
+  memory    parameters, gradients (the reduced shards and any whole .grad), fp32 masters and optimizer
+            state held when the second step's optimizer steps, and the peak: what was held at that step's
+            start plus the highest sum of tensors its ops created (`LiveBytes`) over the step, plus the
+            device runtime's own buffers (`RUNTIME`: cuBLAS's workspaces on CUDA)
+  traffic   bytes each collective moves per step, by op and group, from the ops the step issued, and the
+            pipeline's activations and their gradients sent to the next and previous stage
+  verdict   the verifier's, with every tie's layouts from every stage that holds a copy
+
+What it cannot see: NCCL's own buffers (outside torch's allocator), allocator fragmentation and caching,
+the CUDA context, and kernels' internal scratch memory. The graphs run eagerly: Inductor's generated code
+frees each buffer after its last use as eager does, so the peak is the same where the graphs bound the
+reductions in flight (gradsched.passes.grad_sync); checked on an H100 (benchmarks/results/README.md).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.utils._pytree import tree_leaves
+
+from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
+
+LLAMA = {  # Llama 3.1's shapes (no weights): vocab, hidden, intermediate, layers, heads, kv heads
+    "llama-8b": (128256, 4096, 14336, 32, 32, 8),
+    "llama-70b": (128256, 8192, 28672, 80, 64, 8),
+    "llama-tiny": (256, 64, 128, 4, 4, 2),  # for tests: seconds, not minutes
+}
+STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
+
+
+@dataclass
+class Role:
+    """One pipeline stage's ranks, as one of them measured them."""
+    stage: int
+    ranks: str
+    params: int = 0  # bytes: the parameters (their shards under shard="params")
+    grads: int = 0  # the reduced gradient shards and any whole .grad held when the optimizer steps
+    masters: int = 0  # fp32 master copies that are not the parameters' shards themselves
+    optimizer: int = 0  # optimizer state
+    peak: int = 0  # held at the step's start + the highest sum of what its ops created
+    collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
+    p2p: dict = field(default_factory=dict)  # "send to stage k" -> bytes per step
+    buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
+    verdict: str = ""
+    seconds: float = 0.0
+
+
+def fake_world(rank: int, world: int) -> None:
+    """This process plays `rank` of `world` on torch's fake process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
+    """(model on the meta device, split points for pp stages, its loss) of a built-in Llama config."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError as e:
+        raise SystemExit(f"--model {name} is built with Hugging Face transformers, which is not installed: "
+                         "pip install 'transformers>=5.23,<5.25'.") from e
+    from gradsched.hf import CausalLM
+    vocab, hidden, inter, layers, heads, kv = LLAMA[name]
+    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=131072,
+                    tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None, torch_dtype=dtype)
+    c._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        m = LlamaForCausalLM(c).to(dtype)
+    if checkpointing:
+        m.gradient_checkpointing_enable({"use_reentrant": False})
+    return CausalLM(m, documents=False), layers
+
+
+def even_split_points(layers: int, pp: int, prefix: str = "model.model.layers") -> list[str]:
+    return [f"{prefix}.{layers * k // pp}" for k in range(1, pp)]
+
+
+def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str, int]]:
+    """The stage's forwards ("F", i) and backwards ("B", i) in the order torch's schedule runs them: GPipe
+    all forwards first; 1F1B min(m, pp - stage) forwards, then one backward and one forward in turn."""
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(m, pp - stage)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m):
+        order.append(("B", i))
+        if i + warm < m:
+            order.append(("F", i + warm))
+    return order
+
+
+def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, split_points=(),
+            optimizer=torch.optim.AdamW, optimizer_kwargs=None, backend="nccl", progress=print,
+            **options) -> list[Role]:
+    """Measure every stage's role of a plan (see the module docstring). `model`: on the meta device (or
+    any, but then its values are used); `batch`: sequences per data-parallel rank per step; `backend`:
+    whose collective scratch memory to add (WORKSPACE)."""
+    from gradsched.parallel import ParallelModel
+    from gradsched.plan import ParallelPlan
+    from gradsched.training.optimizer import DistributedOptimizer
+    options = {"compiler": "eager", **options, "check_ranks": False}  # one process: no peer to agree with
+    world, m = pp * dp * cp, options.get("microbatches", 1)
+    device = next(model.parameters()).device
+    tokens = torch.zeros(batch, seq, dtype=torch.long, device=device)
+    roles, built, sent, pipe = [], [], [], None
+    try:
+        for stage in range(pp):
+            t0 = time.perf_counter()
+            torch._dynamo.reset()  # each role compiles its own graphs, as its process would
+            rank = (stage * dp) * cp  # dp 0, cp 0 of the stage
+            fake_world(rank, world)
+            plan = ParallelPlan.from_world(pp=pp, dp=dp, cp=cp)
+            pm = ParallelModel(model, plan, loss_fn, split_points=split_points, **options)
+            x, y = pm._shard_sequence(tokens, tokens)
+            chunks = [tuple(t.chunk(m)[i] for t in x) for i in range(m)]
+            if pp > 1:
+                if pipe is None:
+                    pipe = pm.split(chunks[0])
+                pm.build_stage(*pipe)
+            opt = DistributedOptimizer(pm, optimizer, **(optimizer_kwargs or {"lr": 1e-4}))
+            role = Role(stage, f"{rank}-{rank + dp * cp - 1}" if dp * cp > 1 else str(rank))
+            inputs = chunks if stage == 0 else [_stage_args(pipe[0], stage, sent, i) for i in range(m)]
+            for step in range(STEPS):
+                held = _held(pm, opt)
+                with LiveBytes(backend) as live:
+                    outs = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m)
+                    if step == STEPS - 1:
+                        _account(role, pm, opt)
+                    opt.step()
+                    opt.zero_grad()
+                # + the activations received for the micro-batches in flight (made before the mode, once)
+                received = min(m, pp - stage) * storage_bytes(inputs[0]) if stage else 0
+                role.peak = held + live.peak + received + RUNTIME[backend]
+            role.collectives = _by_group(live.collectives, plan, pm)
+            sent.append([[_like(*t) for t in o] for o in outs])  # what later stages receive
+            if stage > 0:
+                role.p2p["activations received"] = m * storage_bytes(inputs[0])
+                role.p2p["their gradients sent back"] = m * storage_bytes([t for t in inputs[0] if t.requires_grad])
+            role.seconds = time.perf_counter() - t0
+            roles.append(role)
+            built.append(pm.grad_sync)
+            progress(f"dry run: stage {stage} of {pp} measured in {role.seconds:.0f} s")
+        for role, sync in zip(roles, built):
+            role.verdict = _verdict(sync, built)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return roles
+
+
+def _stage_args(pipe, stage: int, sent: list, i: int) -> tuple:
+    """Micro-batch i's inputs of `stage`, from the earlier stages' outputs as the split wires them (a value
+    may come from any earlier stage, not only the previous one: pipelining sends it there directly)."""
+    import operator
+    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]  # one per stage, in stage order
+    call = calls[stage]
+
+    def source(a):
+        index = 0
+        if a.op == "call_function" and a.target is operator.getitem:
+            a, index = a.args
+        return sent[calls.index(a)][i][index]
+    return tuple(source(a) for a in call.args)
+
+
+def _like(shape, dtype, device, requires_grad):
+    """What a later stage receives: a fresh tensor of an output's shape, asking for a gradient where it had one."""
+    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(requires_grad)
+
+
+def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int):
+    """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
+    (shape, dtype, device, requires_grad)."""
+    outs, pending = [None] * m, {}
+    last = stage == pp - 1
+    for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
+        if kind == "F":
+            out = pm.module(*inputs[i])
+            leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            # only their shapes are kept: a stage's outputs die after its backward (a last stage's with its loss)
+            outs[i] = [(t.shape, t.dtype, t.device, t.requires_grad) for t in leaves]
+            pending[i] = pm.loss_fn(out, targets[i]) if last else leaves
+            del out, leaves
+            continue
+        with pm.grad_sync.step_boundary(last=i == m - 1):
+            if last:
+                pending.pop(i).backward()
+            else:
+                grads = [t for t in pending.pop(i) if t.requires_grad]
+                torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
+    pm.grad_sync.flush()
+    return outs
+
+
+def _held(pm, opt) -> int:
+    """Bytes of training state the rank holds now (distinct storages)."""
+    sync = pm.grad_sync
+    if sync is None or sync.built is None:
+        return 0
+    inner = opt.optimizer
+    shards = list(sync.param_shards.shards.values()) if sync.param_shards is not None else []
+    state = [v for s in inner.state.values() for v in s.values()] if inner is not None else []
+    return storage_bytes([*sync.params.values(), *(p.grad for p in sync.params.values()), *sync.reduced(),
+                          *shards, *opt.masters, *state])
+
+
+def _account(role: Role, pm, opt) -> None:
+    """Split what the rank holds as its optimizer is about to step."""
+    sync = pm.grad_sync
+    shards = sync.param_shards
+    params = list(shards.shards.values()) if shards is not None else list(sync.params.values())
+    role.params = storage_bytes(params)
+    role.grads = storage_bytes([*sync.reduced(), *(p.grad for p in sync.params.values())])
+    role.masters = storage_bytes([*params, *opt.masters]) - role.params  # fp32 shards are their own masters
+    role.optimizer = storage_bytes([v for s in opt.optimizer.state.values() for v in s.values()])
+    role.buckets = [b.numel for b in sync.sync_plan.layout.buckets]
+
+
+def _by_group(tally: dict, plan, pm) -> dict:
+    names = {plan.process_group(k).group_name: k for k in ("grad", "dp", "cp", "pp")}
+    for key, g in pm.grad_sync.setup.tie_groups.items():
+        names[g.name] = f"tie {key}"
+    out = {}
+    for (op, group), n in sorted(tally.items()):
+        label = f"{op} over {names.get(group, 'group ' + group)}"
+        out[label] = out.get(label, 0) + n
+    return out
+
+
+def _verdict(sync, built) -> str:
+    """The verifier over this stage's sync graphs, each tie checked with every holding stage's layout."""
+    from gradsched.passes import TieCheck, TieLayout, verify_graph
+    layouts = {}
+    for other in built:
+        plan = other.sync_plan
+        for name, tie in other.setup.ties.items():
+            bucket, slot = plan.layout.locate(name)
+            layouts.setdefault(tie.key, []).append(TieLayout(other.setup.rank, name, bucket.index, slot.offset,
+                                                             slot.numel, bucket.numel, plan.layout.shards))
+    lines = []
+    for sg in sync.sync_graphs():
+        names = {s.name for b in sg.layout.buckets for s in b.slots}
+        ties = {n: t for n, t in sync.setup.ties.items() if n in names}
+        checks = [TieCheck(t.key, sync.sync_plan.tie_groups[t.key].name, sg.record.sources[n], layouts[t.key], {})
+                  for n, t in sorted(ties.items(), key=lambda kv: kv[1].key)]
+        v = verify_graph(sg.gm, checks, sync.setup.rank)
+        lines.append(f"{sg.where} graph: " + ("ok" if v.ok else "HAZARD") + (f", {len(checks)} tie(s) proven"
+                                                                             if checks else ", no ties"))
+    return "; ".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--model", default="llama-8b", choices=sorted(LLAMA))
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--shard", default="params", choices=("params", "true", "false"),
+                    help="params: ZeRO-3; true: distributed optimizer; false: all-reduce")
+    ap.add_argument("--seq", type=int, default=8192, help="tokens per sequence (split over cp)")
+    ap.add_argument("--batch", type=int, default=None, help="sequences per data-parallel rank per step "
+                    "(default: one per micro-batch)")
+    ap.add_argument("--microbatches", type=int, default=None, help="default: pp (the least 1F1B runs)")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding (across stages)")
+    ap.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--json", default=None, help="also write the roles as JSON lines here")
+    args = ap.parse_args(argv)
+    m = args.microbatches or args.pp
+    dtype = getattr(torch, args.dtype)
+    model, layers = llama(args.model, dtype, tie=args.tie, checkpointing=args.checkpointing)
+    if args.pp > layers:
+        raise SystemExit(f"--pp {args.pp}: {args.model} has {layers} layers; use pp <= {layers}.")
+    shard = {"params": "params", "true": True, "false": False}[args.shard]
+    print(f"dry run: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+          f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
+          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens", flush=True)
+    t0 = time.perf_counter()
+    roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, batch=args.batch or m, seq=args.seq,
+                    split_points=even_split_points(layers, args.pp), shard=shard,
+                    microbatches=m, bucket_mb=args.bucket_mb,
+                    progress=lambda s: print(s, flush=True))
+    for r in roles:
+        print(_describe(r))
+    print(f"dry run: {time.perf_counter() - t0:.0f} s; largest peak {_size(max(r.peak for r in roles))} "
+          f"(stage {max(roles, key=lambda r: r.peak).stage})")
+    if args.json:
+        with open(args.json, "w") as f:
+            for r in roles:
+                f.write(json.dumps({"bench": "dryrun", "model": args.model, "pp": args.pp, "dp": args.dp,
+                                    "cp": args.cp, "shard": args.shard, "seq": args.seq, "microbatches": m,
+                                    "dtype": args.dtype, **dataclasses.asdict(r)}) + "\n")
+    return 0
+
+
+def _lm_loss(logits, targets):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _describe(r: Role) -> str:
+    gib = _size
+    lines = [f"stage {r.stage} (ranks {r.ranks}): peak {gib(r.peak)}; parameters {gib(r.params)}, gradients "
+             f"{gib(r.grads)}, masters {gib(r.masters)}, optimizer state {gib(r.optimizer)}"]
+    lines += [f"    {k}: {gib(v)} per step" for k, v in {**r.collectives, **r.p2p}.items()]
+    lines.append(f"    verifier: {r.verdict}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""What a training step holds, counted as it runs: the dry run's (gradsched.dryrun) measure.
+
+LiveBytes is a dispatch mode that adds up the storages the ops it sees create, and their peak;
+WORKSPACE and RUNTIME are what a backend or the device runtime holds beyond any tensor, measured
+where the comments say. No modelling: what is counted is what ran, on meta tensors or real ones.
+
+May import: torch only.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
+
+
+# Scratch memory a backend's collective allocates through torch's allocator while it runs, over its
+# result, in bytes of the collective's whole buffer. Measured with torch 2.13's ProcessGroupGloo on CPU
+# (tests/test_dryrun.py measures it again): a reduce-scatter all-reduces a copy of its input and keeps its
+# shard; an all-gather gathers into a list of tensors and concatenates them. NCCL works in its own buffers.
+WORKSPACE = {"gloo": {"reduce_scatter_tensor": 1.0, "all_gather_into_tensor": 1.0}, "nccl": {}, "fake": {}}
+
+# Bytes a training process holds on its device beyond any tensor: on CUDA, cuBLAS's workspace, one per
+# thread that multiplies (the forward's and autograd's backward thread), 32 MiB each on Hopper. Measured
+# on an H100 (torch 2.11): one fp32 matmul leaves 33,554,432 bytes allocated, a training step two blocks
+# of that size that no tensor owns.
+RUNTIME = {"gloo": 0, "nccl": 2 * 32 * 2**20, "fake": 0}  # fake: torch's fake process group, on CPU
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the tensor storages that ops create while it is active and that are still alive, and
+    their peak; a view or an in-place result adds nothing (its storage is its input's). Collectives issued are tallied by op
+    and group, and their backend's scratch memory (WORKSPACE) is added to the peak while they run.
+    Compiled graphs run through it: Dynamo compiles as without it (ignore_compile_internals)."""
+
+    def __init__(self, backend: str = "nccl"):
+        super().__init__()
+        self.workspace = WORKSPACE[backend]
+        self.now = self.peak = 0
+        self._seen = WeakIdKeyDictionary()
+        self.collectives: dict[tuple[str, str], int] = {}
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    @torch._dynamo.disable  # it runs inside compiled graphs: its own frames are not the model's to trace
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops._c10d_functional.wait_tensor.default:
+            return args[0]  # eager waits return their input; the meta kernel would make a new tensor
+        out = func(*args, **(kwargs or {}))
+        # a view or an in-place op's result lives in its input's storage: nothing new, and its input may
+        # predate the mode (a parameter, the optimizer's state), already counted as held
+        inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in inputs:
+                self._add(t.untyped_storage())
+        if func.namespace in ("_c10d_functional", "c10d"):
+            self._tally(func, args, out)
+        return out
+
+    def _add(self, storage) -> None:
+        if storage in self._seen:
+            return
+        n = storage.nbytes()
+        self._seen[storage] = n
+        self.now += n
+        self.peak = max(self.peak, self.now)
+        weakref.finalize(storage, self._free, n)
+
+    def _free(self, n: int) -> None:
+        self.now -= n
+
+    def _tally(self, func, args, out) -> None:
+        """Bytes of the collective's whole buffer (an all-gather's output, a reduce-scatter's input): the
+        largest of its first two arguments (a functional op's input, an in-place c10d op's output and input)
+        and its result."""
+        size = lambda ts: sum(t.numel() * t.element_size() for t in tree_leaves(ts)  # noqa: E731
+                              if isinstance(t, torch.Tensor))
+        strings = [a for a in args if isinstance(a, str)]
+        group = strings[-1] if strings else None  # a functional collective's last string names its group
+        if group is None:
+            pg = next((a for a in tree_leaves(args) if isinstance(a, dist.ProcessGroup)), None)
+            group = pg.group_name if pg is not None else "?"
+        op = func.__name__.split(".")[0].rstrip("_")
+        nbytes = max(size(a) for a in (*args[:2], out))
+        self.collectives[(op, group)] = self.collectives.get((op, group), 0) + nbytes
+        self.peak = max(self.peak, self.now + int(self.workspace.get(op, 0) * nbytes))
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None skipped), meta storages included."""
+    seen = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = t.untyped_storage()
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,158 @@
+"""The dry run (python -m gradsched.dryrun): a plan's memory, traffic and verdict per stage, from the
+model on the meta device over torch's fake process group, in one process.
+
+Its peak is checked against what the CPU allocator itself counts when a real rank (rank 0 of a fake
+world: the same graphs on real tensors, collectives that move nothing) trains the same plan; its bytes
+per collective against the bucket layout's arithmetic; its verdict against a layout the verifier must
+reject."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import gradsched
+from gradsched.dryrun import dry_run, schedule_order
+from gradsched.launch import run_ranks
+from gradsched.training.live_bytes import WORKSPACE
+from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import peak_increment  # noqa: E402  the allocator's running total, from the profiler
+
+CONFIG = GPTConfig(vocab=512, seq=32, dim=64, heads=4, layers=4)
+OPTIONS = {"bucket_mb": 0.05}  # several buckets: gathers one ahead, reductions one in flight
+
+
+def meta_model():
+    with torch.device("meta"):
+        return TinyGPT(CONFIG)
+
+
+def measured_peak(shard, dp, batch) -> int:
+    """Rank 0's peak bytes over its third step (state held at its start + the allocator's highest
+    running total above that), trained for real on CPU in a fake world of dp ranks."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = gradsched.parallelize(TinyGPT(CONFIG), plan=gradsched.ParallelPlan.from_world(dp=dp), loss_fn=lm_loss,
+                                      compiler="eager", shard=shard, check_ranks=False, **OPTIONS)
+        opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        x, y = make_batch(batch, CONFIG)
+        for step in range(3):
+            if step == 2:
+                sync = model.grad_sync
+                held = [*sync.params.values(), *(p.grad for p in sync.params.values()), *sync.reduced(),
+                        *(sync.param_shards.shards.values() if sync.param_shards else ()), *opt.masters,
+                        *(v for s in opt.optimizer.state.values() for v in s.values())]
+                start = sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes()
+                             for t in held if isinstance(t, torch.Tensor)}.values())
+                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                    model.train_step(x, y)
+                    opt.step()
+                    opt.zero_grad()
+                return start + peak_increment(prof)
+            model.train_step(x, y)
+            opt.step()
+            opt.zero_grad()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("shard", ["params", True], ids=["params", "optimizer"])
+def test_the_predicted_peak_is_within_ten_percent_of_what_the_allocator_counts(shard):
+    (role,) = dry_run(meta_model(), lm_loss, pp=1, dp=4, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
+                      progress=lambda s: None, shard=shard, **OPTIONS)
+    measured = measured_peak(shard, dp=4, batch=2)
+    assert abs(role.peak - measured) <= 0.10 * measured, (role.peak, measured)
+
+
+def collective_peaks(rank, world):
+    """Bytes alive at the peak of a gloo collective above its input, as a fraction of its whole buffer."""
+    import torch.distributed._functional_collectives as fc
+    n, out = 1 << 18, {}
+    for op in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+        x = torch.ones(n if op == "reduce_scatter_tensor" else n // world)
+        for _ in range(2):  # the second: gloo's first call sets up buffers of its own
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                if op == "reduce_scatter_tensor":
+                    fc.wait_tensor(fc.reduce_scatter_tensor(x, "sum", 0, dist.group.WORLD))
+                else:
+                    fc.wait_tensor(fc.all_gather_tensor(x, 0, dist.group.WORLD))
+        out[op] = peak_increment(prof) / (4 * n)
+    return out
+
+
+def test_gloo_collectives_hold_the_scratch_memory_the_dry_run_adds():
+    world = 2
+    for peaks in run_ranks(collective_peaks, world):
+        # each result (a reduce-scatter's shard, an all-gather's whole buffer) and the scratch on top
+        assert peaks["reduce_scatter_tensor"] == 1 / world + WORKSPACE["gloo"]["reduce_scatter_tensor"]
+        assert peaks["all_gather_into_tensor"] == 1 + WORKSPACE["gloo"]["all_gather_into_tensor"]
+
+
+def test_each_collective_moves_what_the_bucket_layout_says():
+    """shard="params", one micro-batch, fp32: every bucket is reduce-scattered once (4 bytes x the layout's
+    padded elements), gathered by the forward and again by the backward where it reads the bucket (a
+    bucket of biases and norms only is not)."""
+    model = meta_model()
+    (role,) = dry_run(model, lm_loss, pp=1, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
+                      progress=lambda s: None, shard="params", **OPTIONS)
+    padded = sum(role.buckets)
+    assert len(role.buckets) > 2
+    assert 4 * padded < role.collectives["all_gather_into_tensor over grad"] <= 2 * 4 * padded
+    assert role.collectives["reduce_scatter_tensor over grad"] == 4 * padded
+    whole = sum(p.numel() for p in model.parameters())
+    assert whole <= padded < whole + 2 * len(role.buckets)  # each bucket padded to split evenly over dp=2
+    assert role.params == 4 * padded // 2  # this rank's shards
+
+
+def test_a_tie_across_stages_is_proven_with_both_stages_layouts():
+    roles = dry_run(meta_model(), lm_loss, pp=2, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
+                    split_points=["blocks.2"], progress=lambda s: None, shard=True)
+    assert [r.stage for r in roles] == [0, 1]
+    for r in roles:
+        assert "HAZARD" not in r.verdict and "1 tie(s) proven" in r.verdict, r.verdict
+
+
+def test_the_verdict_names_a_hazard_the_verifier_finds():
+    """Megatron-LM #844's order, reduce-scatter before the tie all-reduce, with the copies at different
+    offsets of their buckets: the dry run must say so before any GPU is rented."""
+    roles = dry_run(meta_model(), lm_loss, pp=2, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
+                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode="unsafe_rs_first",
+                    allow_hazard=True)
+    assert any("HAZARD" in r.verdict for r in roles), [r.verdict for r in roles]
+
+
+def test_the_schedule_runs_each_stages_micro_batches_in_1f1b_order():
+    # stage 0 of 4 with 4 micro-batches: 4 forwards in flight before its first backward
+    assert schedule_order(0, 4, 4, "1f1b") == [("F", 0), ("F", 1), ("F", 2), ("F", 3),
+                                               ("B", 0), ("B", 1), ("B", 2), ("B", 3)]
+    assert schedule_order(3, 4, 4, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
+                                               ("F", 3), ("B", 3)]
+    assert schedule_order(1, 2, 3, "gpipe") == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+
+
+def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
+    pytest.importorskip("transformers")
+    run = subprocess.run([sys.executable, "-m", "gradsched.dryrun", "--model", "llama-tiny", "--pp", "2", "--dp", "2",
+                          "--cp", "2", "--seq", "64", "--tie"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert "pp=2 x dp=2 x cp=2 = 8 ranks" in out
+    assert "stage 0 (ranks 0-3)" in out and "stage 1 (ranks 4-7)" in out
+    assert out.count("1 tie(s) proven") == 2
+    assert "all_gather_into_tensor over grad" in out and "over cp" in out
+
+
+def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():
+    run = subprocess.run([sys.executable, "-m", "gradsched.dryrun", "--model", "llama-tiny", "--pp", "8"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert "--pp 8: llama-tiny has 4 layers; use pp <= 4." in run.stderr
+    assert "Traceback" not in run.stderr
