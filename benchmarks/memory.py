@@ -6,6 +6,11 @@ optimizer, on one tied model and the same batch per rank, one run.
 Trains a GPT of about 30M parameters (dim 512, 8 layers, vocab 8192, tied embedding) with AdamW on
 dp gloo processes (one thread each), once per implementation, and prints one JSON object each:
 
+  --device cuda      one GPU cannot hold dp NCCL ranks: rank 0 of each implementation is played in this one
+                     process on torch's fake process group (collectives move nothing), so memory and compute
+                     are the device's and nothing is communicated; no parameter check (pp 1 only). The rows
+                     name the device and the world. --fake-world does the same on CPU.
+
   impl               ddp (torch DDP), fsdp2 (fully_shard per block and at the root, its defaults:
                      parameters resharded after forward), gradsched_optimizer (parallelize(shard=True):
                      whole parameters and gradients, fp32 masters and optimizer state sharded),
@@ -37,6 +42,7 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -186,6 +192,7 @@ def fake_world_run(impl: str, job: Job, compiler: str, bucket_mb: float, device:
         dist.init_process_group("fake", store=FakeStore(), rank=stage * job.dp, world_size=job.pp * job.dp)
         try:
             torch._dynamo.reset()
+            gc.collect()  # the previous implementation's tensors (cycles through its sync) go first
             if device == "cuda":
                 torch.cuda.empty_cache()
             ranks.append(rank_run(stage * job.dp, job.pp * job.dp, impl, job, compiler, bucket_mb, device))

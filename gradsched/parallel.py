@@ -224,7 +224,8 @@ class ParallelModel:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
             first, losses = self.plan.stage == 0, []
             with self._stage_errors():
-                self.schedule.step(*(inputs if first else ()),
+                # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
+                self.schedule.step(*(inputs if first else ()), return_outputs=False,
                                    **({"target": targets, "losses": losses} if last_stage else {}))
         self.grad_sync.flush()
         return self._global_loss(losses) if last_stage else None

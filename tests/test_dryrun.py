@@ -112,21 +112,25 @@ def test_each_collective_moves_what_the_bucket_layout_says():
     assert role.params == 4 * padded // 2  # this rank's shards
 
 
-def test_a_tie_across_stages_is_proven_with_both_stages_layouts():
+@pytest.mark.parametrize("mode", ["tied_first", "shard_aligned"])
+def test_a_tie_across_stages_is_proven_with_both_stages_layouts(mode):
+    """shard_aligned's proof needs every member's layout: each stage's own preflight, which sees only its
+    own, cannot give it; the dry run holds both stages'."""
     roles = dry_run(meta_model(), lm_loss, pp=2, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
-                    split_points=["blocks.2"], progress=lambda s: None, shard=True)
+                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode=mode)
     assert [r.stage for r in roles] == [0, 1]
     for r in roles:
-        assert "HAZARD" not in r.verdict and "1 tie(s) proven" in r.verdict, r.verdict
+        assert "flush graph: ok, 1 tie(s) proven" in r.verdict and "HAZARD" not in r.verdict, r.verdict
 
 
-def test_the_verdict_names_a_hazard_the_verifier_finds():
+def test_the_verdict_names_a_hazard_with_both_stages_layouts():
     """Megatron-LM #844's order, reduce-scatter before the tie all-reduce, with the copies at different
-    offsets of their buckets: the dry run must say so before any GPU is rented."""
+    offsets of their buckets: the dry run must say so, naming both copies, before any GPU is rented."""
     roles = dry_run(meta_model(), lm_loss, pp=2, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
-                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode="unsafe_rs_first",
-                    allow_hazard=True)
-    assert any("HAZARD" in r.verdict for r in roles), [r.verdict for r in roles]
+                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode="unsafe_rs_first")
+    for r in roles:
+        assert "flush graph: HAZARD" in r.verdict and "Megatron-LM #844" in r.verdict, r.verdict
+        assert "rank 0 'wte.weight'" in r.verdict and "rank 2 'lm_head.weight'" in r.verdict, r.verdict
 
 
 def test_the_schedule_runs_each_stages_micro_batches_in_1f1b_order():
@@ -135,7 +139,16 @@ def test_the_schedule_runs_each_stages_micro_batches_in_1f1b_order():
                                                ("B", 0), ("B", 1), ("B", 2), ("B", 3)]
     assert schedule_order(3, 4, 4, "1f1b") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2),
                                                ("F", 3), ("B", 3)]
+    # more micro-batches than stages: stage 0 of 2 keeps two in flight, then one backward and one forward in turn
+    assert schedule_order(0, 2, 4, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
+                                               ("B", 2), ("B", 3)]
     assert schedule_order(1, 2, 3, "gpipe") == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+
+
+def test_a_batch_that_does_not_split_into_the_micro_batches_is_refused():
+    with pytest.raises(ValueError, match="a batch of 3 sequences per data-parallel rank does not split into 2"):
+        dry_run(meta_model(), lm_loss, pp=2, dp=1, cp=1, batch=3, seq=CONFIG.seq, split_points=["blocks.2"],
+                microbatches=2, progress=lambda s: None)
 
 
 def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
@@ -146,7 +159,7 @@ def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
     out = run.stdout
     assert "pp=2 x dp=2 x cp=2 = 8 ranks" in out
     assert "stage 0 (ranks 0-3)" in out and "stage 1 (ranks 4-7)" in out
-    assert out.count("1 tie(s) proven") == 2
+    assert out.count("flush graph: ok, 1 tie(s) proven") == 2
     assert "all_gather_into_tensor over grad" in out and "over cp" in out
 
 

@@ -30,10 +30,17 @@ WORKSPACE = {"gloo": {"reduce_scatter_tensor": 1.0, "all_gather_into_tensor": 1.
 RUNTIME = {"gloo": 0, "nccl": 2 * 32 * 2**20, "fake": 0}  # fake: torch's fake process group, on CPU
 
 
+# the c10d ops behind torch.distributed's calls (the optimizer's), by the functional op's name
+C10D_NAMES = {"_allgather_base": "all_gather_into_tensor", "_reduce_scatter_base": "reduce_scatter_tensor",
+              "allreduce": "all_reduce", "allgather_into_tensor_coalesced": "all_gather_into_tensor",
+              "reduce_scatter_tensor_coalesced": "reduce_scatter_tensor"}
+
+
 class LiveBytes(TorchDispatchMode):
     """The bytes of the tensor storages that ops create while it is active and that are still alive, and
     their peak; a view or an in-place result adds nothing (its storage is its input's). Collectives issued are tallied by op
-    and group, and their backend's scratch memory (WORKSPACE) is added to the peak while they run.
+    and group, and their backend's scratch memory (WORKSPACE) counts while they are in flight (a
+    functional collective's from its issue to its wait).
     Compiled graphs run through it: Dynamo compiles as without it (ignore_compile_internals)."""
 
     def __init__(self, backend: str = "nccl"):
@@ -42,6 +49,7 @@ class LiveBytes(TorchDispatchMode):
         self.now = self.peak = 0
         self._seen = WeakIdKeyDictionary()
         self.collectives: dict[tuple[str, str], int] = {}
+        self._in_flight: dict[int, tuple] = {}  # a functional collective's result -> (scratch bytes, its input)
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -50,7 +58,11 @@ class LiveBytes(TorchDispatchMode):
     @torch._dynamo.disable  # it runs inside compiled graphs: its own frames are not the model's to trace
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops._c10d_functional.wait_tensor.default:
-            return args[0]  # eager waits return their input; the meta kernel would make a new tensor
+            scratch, _ = self._in_flight.pop(args[0].untyped_storage()._cdata, (0, None))  # its input may die now
+            self.now -= scratch
+            if args[0].is_meta:  # the meta kernel would make a new tensor; a meta collective is done at issue
+                return args[0]
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         # a view or an in-place op's result lives in its input's storage: nothing new, and its input may
         # predate the mode (a parameter, the optimizer's state), already counted as held
@@ -83,12 +95,23 @@ class LiveBytes(TorchDispatchMode):
         strings = [a for a in args if isinstance(a, str)]
         group = strings[-1] if strings else None  # a functional collective's last string names its group
         if group is None:
-            pg = next((a for a in tree_leaves(args) if isinstance(a, dist.ProcessGroup)), None)
+            pg = next((a for a in tree_leaves(args) if isinstance(a, (dist.ProcessGroup, torch.ScriptObject))), None)
+            if isinstance(pg, torch.ScriptObject):  # how a c10d op receives its group
+                pg = dist.ProcessGroup.unbox(pg)
             group = pg.group_name if pg is not None else "?"
         op = func.__name__.split(".")[0].rstrip("_")
+        op = C10D_NAMES.get(op, op)
         nbytes = max(size(a) for a in (*args[:2], out))
         self.collectives[(op, group)] = self.collectives.get((op, group), 0) + nbytes
-        self.peak = max(self.peak, self.now + int(self.workspace.get(op, 0) * nbytes))
+        scratch = int(self.workspace.get(op, 0) * nbytes)
+        if func.namespace == "_c10d_functional" and isinstance(out, torch.Tensor):
+            # from issue to wait the backend holds its input (NCCL stashes it, Inductor keeps it) and its
+            # scratch, while the graph computes on
+            self._in_flight[out.untyped_storage()._cdata] = (scratch, args[0])
+            self.now += scratch
+            self.peak = max(self.peak, self.now)
+        else:  # a c10d op waited for by its caller (the optimizer's): held while it runs
+            self.peak = max(self.peak, self.now + scratch)
 
 
 def storage_bytes(tensors) -> int:
