@@ -112,12 +112,11 @@ def test_each_collective_moves_what_the_bucket_layout_says():
     assert role.params == 4 * padded // 2  # this rank's shards
 
 
-@pytest.mark.parametrize("mode", ["tied_first", "shard_aligned"])
-def test_a_tie_across_stages_is_proven_with_both_stages_layouts(mode):
+def test_a_tie_across_stages_is_proven_with_both_stages_layouts():
     """shard_aligned's proof needs every member's layout: each stage's own preflight, which sees only its
     own, cannot give it; the dry run holds both stages'."""
     roles = dry_run(meta_model(), lm_loss, pp=2, dp=2, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
-                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode=mode)
+                    split_points=["blocks.2"], progress=lambda s: None, shard=True, mode="shard_aligned")
     assert [r.stage for r in roles] == [0, 1]
     for r in roles:
         assert "flush graph: ok, 1 tie(s) proven" in r.verdict and "HAZARD" not in r.verdict, r.verdict
@@ -164,8 +163,7 @@ def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
 
 
 def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():
-    run = subprocess.run([sys.executable, "-m", "gradsched.dryrun", "--model", "llama-tiny", "--pp", "8"],
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode != 0
-    assert "--pp 8: llama-tiny has 4 layers; use pp <= 4." in run.stderr
-    assert "Traceback" not in run.stderr
+    pytest.importorskip("transformers")
+    from gradsched.dryrun import main
+    with pytest.raises(SystemExit, match=r"--pp 8: llama-tiny has 4 layers; use pp <= 4\."):
+        main(["--model", "llama-tiny", "--pp", "8"])
