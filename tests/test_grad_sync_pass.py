@@ -255,3 +255,25 @@ def test_verifier_on_dumps_catches_ties_met_in_different_orders(tmp_path):
         (tmp_path / f"rank{rank}.json").write_text(json.dumps(d))
         dumps.append(d)
     assert verify_main([str(tmp_path)]) == 1
+
+
+@pytest.mark.parametrize("first", [1.5, -0.0, float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_ordering_dependence_leaves_its_value_bit_for_bit_whatever_the_node_it_waits_for_holds(first, dtype):
+    """GraphBuilder.after (one reduce-scatter in flight, the gathers' prefetch) reads x through a zero made
+    from another node: an overflow or NaN in the previous bucket must not leak into the next one."""
+    from gradsched.passes.graph_utils import GraphBuilder
+    g, fake = fx.Graph(), FakeTensorMode()
+    x, node = g.placeholder("x"), g.placeholder("node")
+    x.meta["val"] = fake.from_tensor(torch.empty(6, dtype=dtype))
+    node.meta["val"] = fake.from_tensor(torch.empty(3, dtype=torch.float32))
+    g.output(None)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    with g.inserting_before(g.output_node()):
+        out = GraphBuilder(gm, fake).after(x, node)
+    g.output_node().args = (out,)
+    gm.recompile()
+    xs = torch.tensor([1.0, -0.0, 0.0, float("inf"), -3.25, 1e-30], dtype=dtype)
+    got = gm(xs, torch.tensor([first, 2.0, 3.0]))
+    assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                                              xs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
