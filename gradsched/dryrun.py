@@ -326,7 +326,8 @@ def main(argv=None) -> int:
     shard = {"params": "params", "true": True, "false": False}[args.shard]
     print(f"dry run: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
-          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens", flush=True)
+          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens; each peak includes "
+          f"the {_size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's workspaces)", flush=True)
     t0 = time.perf_counter()
     roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, batch=args.batch or m, seq=args.seq,
                     split_points=even_split_points(layers, args.pp), shard=shard,
