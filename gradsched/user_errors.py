@@ -72,8 +72,10 @@ def user_frame(exc: BaseException) -> str | None:
 
 
 def _compiled_file(filename: str) -> bool:
-    """Inductor's generated modules (in its cache directory) are not the user's code."""
-    return "torchinductor" in filename
+    """Inductor's generated modules (in its cache directory, wherever TORCHINDUCTOR_CACHE_DIR puts it, as
+    clusters often do) are not the user's code."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    return filename.startswith(os.path.join(cache_dir(), "")) or "torchinductor" in filename
 
 
 def _stage_error(what: str, cause: BaseException, where: str | None, note: str = "") -> StageError:

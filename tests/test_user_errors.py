@@ -50,3 +50,19 @@ def test_an_error_inside_inductors_code_gives_the_models_error_and_how_to_find_i
     stage0 = messages["inductor"][0][2]
     assert stage0.startswith("StageError: pipeline stage 0 of 2 failed in the model's code: RuntimeError: ")
     assert "index out of bounds" in stage0 and "inductor's compiled code, which keeps no source line; compiler='eager' names the model's line" in stage0
+
+
+def test_a_frame_of_inductors_code_is_not_named_as_the_users_line_wherever_its_cache_dir_is(tmp_path, monkeypatch):
+    """Clusters often move Inductor's cache (TORCHINDUCTOR_CACHE_DIR); its generated modules are still not the
+    user's code: the error then says it was raised in compiled code, not a line of a cache file."""
+    from gradsched.user_errors import user_frame
+    generated = tmp_path / "xi" / "cxi_generated.py"
+    generated.parent.mkdir()
+    generated.write_text("def call():\n    raise RuntimeError('index out of bounds')\n")
+    namespace = {}
+    exec(compile(generated.read_text(), str(generated), "exec"), namespace)
+    with pytest.raises(RuntimeError) as err:
+        namespace["call"]()
+    assert str(generated) in user_frame(err.value)  # outside the cache dir it passes for the user's code
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert str(generated) not in user_frame(err.value)  # the caller's line instead
