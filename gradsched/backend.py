@@ -114,6 +114,15 @@ def _param_placeholders(fw_gm: fx.GraphModule, params: dict) -> dict[str, str]:
     return out
 
 
+def _refuse_meta(params: dict) -> None:
+    """By name nothing allocates a meta-built model (parallelize does, per stage; the dry run keeps it on meta)."""
+    meta = [name for name, p in params.values() if p.is_meta]
+    if meta:
+        raise ValueError(f"gradsched: parameter {meta[0]} (and {len(meta) - 1} more) is on the meta device, with no "
+                         "values to train. Build the model on meta and pass it to gradsched.parallelize(..., "
+                         "init_weights=fn), which allocates each rank's stage; or build it on a real device.")
+
+
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
                       plan=None):
     """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
@@ -122,6 +131,7 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     plan = options.pop("plan", plan)
     params = parameter_inputs(gm, example_inputs)
     if grad_sync is None:
+        _refuse_meta(params)
         grad_sync = _sync_for_backend_by_name(plan, options, [p for _, p in params.values()])
     opts = grad_sync.options
     compiler = opts.compiler

@@ -29,7 +29,8 @@ from gradsched.sync.runtime import GradSync
 from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
-from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, root_cause
+from gradsched.training.materialize import check_init, deferred_init, materialize
+from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
 
@@ -49,7 +50,7 @@ def _check_takes_seq_idx(model: nn.Module) -> None:
 
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
-                 ties=None, fullgraph=True, ignore_index=-100, **options):
+                 ties=None, fullgraph=True, ignore_index=-100, init_weights=None, init_seed=0, **options):
         if plan.pp > 1 and len(split_points) != plan.pp - 1:
             raise ValueError(f"pp={plan.pp} needs {plan.pp - 1} split_points (module names that begin a "
                              f"stage, e.g. ['blocks.1']), got {list(split_points)}.")
@@ -72,6 +73,7 @@ class ParallelModel:
                              "read parameters whose storage lives only in the shards. Remove the graph breaks (or "
                              "use shard=True).")
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
+        self._init = deferred_init(model, init_weights, init_seed)  # a model on meta: allocated per stage at step 1
         self.within_module_ties = shared_parameters(model)
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
@@ -162,9 +164,19 @@ class ParallelModel:
             warn_checkpointing_dropped(len(lost), self.plan.pp)
         self._build(ties, stage_module)
 
+    def allocate(self, inputs, targets, positions=None, attention_mask=None) -> None:
+        """A model built on meta: allocate and initialize this rank's stage for batches like these (the first
+        train_step does it otherwise), so that gradsched.load can fill it before any step."""
+        inputs, targets = self._shard_sequence(inputs, targets, positions, attention_mask)
+        if self.module is None:
+            self._build_pipeline(tuple(t.chunk(self.options.microbatches)[0] for t in inputs))
+        self._init = materialize(self.stage_module, inputs[0].device, self._init)
+
     def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-        self.build_stage(*self.split(microbatch))
+        meta = self._init is not None  # split on meta copies of the micro-batch: only this rank's stage is allocated
+        self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
+        self._init = materialize(self.stage_module, microbatch[0].device, self._init)
         sync = self.grad_sync
 
         class Stage(PipelineStage):
@@ -196,12 +208,13 @@ class ParallelModel:
                                "collectives in its compiled graphs)"):
                 return self._train_step(inputs, targets, positions, attention_mask)
         except Exception as e:  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
-            own = _own_error(e)
+            own = own_error(e)
             if own is None or own is e:
                 raise
             raise own from None
 
     def _train_step(self, inputs, targets, positions=None, attention_mask=None):
+        check_init(self._init, inputs.device)
         m = self.options.microbatches
         if inputs.shape[0] % m:
             raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={m}.")
@@ -212,6 +225,7 @@ class ParallelModel:
         if last_stage:
             self._total = self._global_count(targets)
         if self.plan.pp == 1:
+            self._init = materialize(self.stage_module, inputs[0].device, self._init)
             losses = []
             for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
                 with self._stage_errors():
@@ -237,7 +251,7 @@ class ParallelModel:
         try:
             yield
         except Exception as e:
-            if _own_error(e) is not None:
+            if own_error(e) is not None:
                 raise
             stage = f"pipeline stage {self.plan.stage} of {self.plan.pp}" if self.plan.pp > 1 else "the training step"
             if is_comm_error(e):
@@ -372,19 +386,6 @@ class ParallelModel:
 
     def schedule_report(self) -> str:
         return self.grad_sync.schedule_report()
-
-
-def _own_error(e: BaseException) -> BaseException | None:
-    """The error a gradsched compiler pass or check raised, from under Dynamo's and pipelining's wrappers."""
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
-            return e.inner_exception  # raised by the gradsched backend
-        if type(e).__module__.startswith("gradsched"):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
 
 
 def parallelize(model=None, *, plan: ParallelPlan, loss_fn, **kwargs):

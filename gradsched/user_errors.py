@@ -181,3 +181,16 @@ def in_user_code(what: str, exc: BaseException) -> StageError | None:
     """A StageError naming where the user's code failed, or None if no user frame is known."""
     where = user_frame(exc)
     return None if where is None else _stage_error(what, root_cause(exc), where)
+
+
+def own_error(e: BaseException) -> BaseException | None:
+    """The error a gradsched compiler pass or check raised, from under Dynamo's and pipelining's wrappers."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, torch._dynamo.exc.BackendCompilerFailed):
+            return e.inner_exception  # raised by the gradsched backend
+        if type(e).__module__.startswith("gradsched"):
+            return e
+        e = e.__cause__ or e.__context__
+    return None

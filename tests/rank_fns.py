@@ -458,3 +458,61 @@ def bf16_parameters_sharded(rank, world):
     copy = TinyGPT().to(torch.bfloat16)
     copy.load_state_dict(full)
     return {"exact": exact, "loss": loss, "copy_loss": float(lm_loss(copy(x), y))}
+
+
+def init_tiny_gpt(name: str, t: torch.Tensor) -> None:
+    """GPT-2's initialization by name: matrices and embeddings N(0, 0.02), biases 0, norm weights 1."""
+    if name.endswith("bias"):
+        t.zero_()
+    elif t.dim() == 1:
+        t.fill_(1.0)
+    else:
+        t.normal_(0.0, 0.02)
+
+
+def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, save_dir: str = "", saved: str = ""):
+    """The tiny tied GPT built on the meta device, allocated per stage and initialized by init_tiny_gpt, trained
+    `steps` SGD steps on this rank's share of the global batch. Returns the trained state dict and what is
+    on meta. save_dir: try a save before the first step, save
+    there after the last; saved: allocate, then load that checkpoint before any step."""
+    plan = gradsched.ParallelPlan.from_world(pp=pp)
+    config = TinyGPT().config
+    with torch.device("meta"):
+        model = TinyGPT(config)
+    pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=["blocks.1"] if pp > 1 else (),
+                               init_weights=init_tiny_gpt, compiler="eager", **options)
+    opt = gradsched.DistributedOptimizer(pm, torch.optim.SGD, lr=0.5)
+    refused = None
+    if save_dir:  # before the first step nothing is allocated: a checkpoint would hold (or load into) nothing
+        try:
+            gradsched.save(save_dir, pm, opt, step=0)
+        except gradsched.CheckpointError as e:
+            refused = str(e)
+    _, dp_idx, _ = plan.coords()
+    per = 8 // plan.dp
+    if saved:
+        x, y = make_batch(8, config)
+        pm.allocate(x[:per], y[:per])
+        gradsched.load(saved, pm, opt)
+    for step in range(steps):
+        x, y = make_batch(8, config, seed=1 + step)
+        pm.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
+        opt.step()
+        opt.zero_grad()
+    if save_dir:
+        gradsched.save(save_dir, pm, opt, step=steps)
+    return {"state": pm.state_dict(), "stage": plan.stage, "refused": refused,
+            "trained": [n for n, _ in pm.named_parameters()],
+            "meta_trained": [n for n, p in pm.named_parameters() if p.is_meta],
+            "unsplit_real": [n for n, p in model.named_parameters() if not p.is_meta] if pp > 1 else []}
+
+
+def meta_model_without_init(rank, world):
+    """A meta-built model's first step on real inputs, with no init_weights: the message."""
+    with torch.device("meta"):
+        model = TinyGPT()
+    pm = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1), loss_fn=lm_loss)
+    try:
+        pm.train_step(*make_batch(2, model.config))
+    except ValueError as e:
+        return str(e)

@@ -21,7 +21,8 @@ from gradsched.sync.runtime import find_sync
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL, CollectiveFault, is_comm_error, peers_report
 from gradsched.training.checkpoint_files import CheckpointError
-from gradsched.training.optimizer import unsplit_module, unsplit_named_parameters
+from gradsched.training.materialize import first_names
+from gradsched.training.optimizer import unsplit_module
 from gradsched.training.shards import owned_pieces
 
 
@@ -62,12 +63,8 @@ def _first_line(e: BaseException) -> str:
 # ---- names ------------------------------------------------------------------------------------
 
 def canonical_names(model) -> dict[str, str]:
-    """Every name of a parameter in the unsplit model -> its first name (what checkpoints use)."""
-    first: dict[int, str] = {}
-    out = {}
-    for n, p in unsplit_named_parameters(model):
-        out[n] = first.setdefault(id(p), n)
-    return out
+    """Every name of a parameter in the unsplit model -> its first name (what checkpoints use); a buffer's -> itself."""
+    return first_names(unsplit_module(model))
 
 
 def _trained_module(model):
@@ -92,6 +89,11 @@ def model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
     """name in the checkpoint -> this rank's tensor (parameters and persistent buffers) to write or
     to read into."""
     canon, skip = canonical_names(model), _skipped(model, writing)
+    meta = [k for k, v in _trained_module(model).state_dict(keep_vars=True).items() if v.is_meta]
+    if meta:  # a load would copy into nothing, and the first step's initialization would then overwrite it
+        raise CheckpointError(f"the model's {meta[0]} (and {len(meta) - 1} more) is still on the meta device: a model "
+                              "built on meta is allocated and initialized at its first train_step, or by "
+                              "model.allocate(inputs, targets): save or load after either.")
     # the unsplit model's state dict is the contract: a split stage may hold more (pipelining
     # makes non-persistent buffers, such as rotary inv_freq, part of a stage's state)
     known = set(trained_module_names_all(model))

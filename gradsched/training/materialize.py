@@ -1,0 +1,127 @@
+"""A model built on the meta device (shapes, no values) made real by each rank for its own stage only.
+
+    with torch.device("meta"):
+        model = MyGPT(config)
+    model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=[...], init_weights=init)
+    # init(name, tensor) fills one tensor in place, e.g. torch.nn.init.normal_(tensor, std=0.02)
+
+At 70B no rank could build the whole model first. `parallelize` keeps the model on meta; the first
+`train_step` knows the device (the inputs'), splits the model under pp > 1 on meta copies of the
+micro-batch, and allocates only this rank's stage there. Every tensor of it (parameters and buffers) is
+then filled by `init_weights(name, tensor)`, `name` being the unsplit model's, under torch's RNG seeded from
+that name and `init_seed`: the same values on every rank, under every layout and in one process
+(`initialize` on a whole model), and tied copies, one name for all, equal.
+
+Under shard="params" the stage is whole for a moment, until its first graph is compiled and sharded. The unsplit
+model itself stays on meta (its names, ties and shapes are what checkpoints and parameter groups read); on meta
+inputs nothing is allocated (the dry run).
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.nn as nn
+
+
+def on_meta(model: nn.Module) -> bool:
+    """True for a model built on the meta device; a model partly there is refused (its real tensors would be
+    overwritten)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    meta = [t.is_meta for t in tensors]
+    if any(meta) and not all(meta):
+        n = sum(meta)
+        raise ValueError(f"{n} of the model's {len(meta)} parameters and buffers are on the meta device and the rest "
+                         "are not: build the whole model under `with torch.device('meta')` (gradsched then allocates "
+                         "and initializes each rank's stage), or none of it.")
+    return bool(meta) and all(meta)
+
+
+def deferred_init(model: nn.Module, init_weights, seed: int = 0):
+    """What `materialize` needs later for a model built on meta ((init_weights, first names, seed)), None for a
+    model that holds values (init_weights for it refused)."""
+    meta = on_meta(model)
+    if init_weights is not None and not meta:
+        raise ValueError("init_weights initializes a model built on the meta device (with torch.device('meta'): ...); "
+                         f"{type(model).__name__}'s tensors already hold values. Build it on meta, or drop init_weights.")
+    return (init_weights, first_names(model), seed) if meta else None
+
+
+def check_init(init, device: torch.device) -> None:
+    """Refuse, before the first step's collectives, a meta model about to run on a real device with nothing to
+    initialize it (on meta inputs it stays on meta: the dry run)."""
+    if init is not None and init[0] is None and device.type != "meta":
+        raise ValueError("the model is on the meta device (shapes, no values) and the inputs on "
+                         f"{device}: pass parallelize(..., init_weights=fn(name, tensor)), which fills each tensor in "
+                         "place (name: the unsplit model's); gradsched allocates this rank's stage on the inputs' "
+                         "device and calls it once per tensor, torch's RNG seeded from the name.")
+
+
+def first_names(model: nn.Module) -> dict[str, str]:
+    """Every parameter name of the unsplit model -> the first name of its Parameter: a tied copy answers its
+    tie's one name (one value when initialized, one entry in a checkpoint). Every buffer name -> itself."""
+    first, out = {}, {name: name for name, _ in model.named_buffers(remove_duplicate=False)}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+@torch.no_grad()
+def initialize(module: nn.Module, init_weights, canonical: dict[str, str], seed: int = 0) -> None:
+    """Fill every tensor of `module` (named as in the unsplit model) with init_weights(name, tensor), torch's RNG
+    seeded from the tensor's canonical name and `seed` (restored afterwards)."""
+    named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    devices = sorted({t.device for _, t in named if t.device.type == "cuda"}, key=str)
+    with torch.random.fork_rng(devices=devices):
+        for name, t in named:
+            if name not in canonical:  # not the user's: init_weights would give it arbitrary values
+                raise ValueError(f"a stage of the split holds a tensor {name!r} that the model does not name (a tensor "
+                                 "made inside forward, which the split kept as a constant?); built on meta, its value "
+                                 "is lost. Register it as a buffer of its module, or build the model on a real device.")
+            key = canonical[name]
+            torch.manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
+            init_weights(key, t)
+
+
+def materialize(module: nn.Module, device: torch.device, init):
+    """Allocate `module`'s meta tensors on `device` and initialize them; `init` is deferred_init's (None: nothing
+    to do). Returns what is left to do: None, or `init` itself on a meta device (the dry run)."""
+    if init is None or device.type == "meta":
+        return init
+    check_init(init, device)
+    _allocate(module, device)
+    _retarget_factories(module, device)
+    initialize(module, *init)
+    return None
+
+
+def _retarget_factories(module: nn.Module, device: torch.device) -> None:
+    """The split traced the model on meta, so its graphs make new tensors there (`arange(..., device=meta)` for
+    positions): each such device becomes `device`."""
+    meta = torch.device("meta")
+
+    def on(a):
+        return device if isinstance(a, torch.device) and a == meta else a
+    for mod in module.modules():
+        if isinstance(mod, torch.fx.GraphModule):
+            changed = False
+            for node in mod.graph.nodes:
+                args, kwargs = torch.fx.node.map_aggregate(node.args, on), torch.fx.node.map_aggregate(node.kwargs, on)
+                if args != node.args or kwargs != node.kwargs:
+                    node.args, node.kwargs, changed = args, kwargs, True
+            if changed:
+                mod.recompile()
+
+
+def _allocate(module: nn.Module, device: torch.device) -> None:
+    """Each meta tensor replaced by an empty one on `device`, once: names that shared a tensor still share one (a
+    tie). Module.to_empty would give each name its own Parameter, and the stage would train a tie's copies apart."""
+    new = {}
+    for mod in module.modules():
+        for table, make in ((mod._parameters, lambda t: nn.Parameter(torch.empty_like(t, device=device), t.requires_grad)),
+                            (mod._buffers, lambda t: torch.empty_like(t, device=device))):
+            for key, t in list(table.items()):
+                if t is not None and t.is_meta:
+                    if id(t) not in new:
+                        new[id(t)] = make(t)
+                    table[key] = new[id(t)]

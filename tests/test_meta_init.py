@@ -1,0 +1,101 @@
+"""A model built on the meta device trains like the same model built whole in one process, and no rank
+allocates more than its own stage (gradsched.training.materialize)."""
+import pytest
+import torch
+
+import gradsched
+from gradsched.launch import run_ranks
+from gradsched.training.materialize import first_names, initialize
+from rank_fns import init_tiny_gpt, meta_built_training, meta_model_without_init
+from tiny_gpt import TinyGPT, lm_loss, make_batch
+
+
+def one_process(steps: int = 2) -> dict:
+    """The unsplit model, built whole on the CPU and initialized tensor by tensor as gradsched does, trained on
+    the global batch."""
+    model = TinyGPT()
+    initialize(model, init_tiny_gpt, first_names(model))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(steps):
+        x, y = make_batch(8, model.config, seed=1 + step)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return one_process()
+
+
+@pytest.mark.parametrize("shard", [True, "params"])
+def test_a_meta_built_model_trains_at_pp2_dp2_like_the_whole_model_in_one_process(reference, shard, tmp_path):
+    ranks = run_ranks(meta_built_training, 4, 2, {"shard": shard}, 2, str(tmp_path))
+    # allocated without a step and loaded at another layout, it holds what the checkpoint saved
+    for r in run_ranks(meta_built_training, 4, 1, {"shard": shard}, 0, "", str(tmp_path)):
+        assert max((r["state"][k] - v).abs().max().item() for k, v in reference.items()) < 1e-5
+    for r in ranks:
+        assert list(r["state"]) == list(reference)
+        assert max((r["state"][k] - v).abs().max().item() for k, v in reference.items()) < 1e-5
+        # this rank allocated its stage's parameters only; the unsplit model stays on meta
+        assert r["meta_trained"] == [] and r["unsplit_real"] == []
+        other = "blocks.1." if r["stage"] == 0 else "blocks.0."
+        assert r["trained"] and not any(n.startswith(other) for n in r["trained"]), r["trained"]
+
+
+def test_a_meta_built_model_trains_at_dp2_like_the_whole_model_in_one_process(reference, tmp_path):
+    for r in run_ranks(meta_built_training, 2, 1, {}, 2, str(tmp_path)):
+        assert max((r["state"][k] - v).abs().max().item() for k, v in reference.items()) < 1e-5
+        assert r["meta_trained"] == []
+        # a checkpoint saved (or loaded) before the first step would hold (or fill) nothing
+        assert "is still on the meta device" in r["refused"] and "model.allocate(inputs, targets)" in r["refused"]
+
+
+def test_every_tensor_gets_the_values_of_its_name_whatever_else_is_initialized():
+    whole = TinyGPT()
+    initialize(whole, init_tiny_gpt, first_names(whole))
+    block = TinyGPT().blocks[1]  # alone, as a stage would hold it, named as in the unsplit model
+    initialize(block, init_tiny_gpt, {f"{n}": f"blocks.1.{n}" for n, _ in block.named_parameters()})
+    for n, p in block.named_parameters():
+        assert torch.equal(p, whole.get_parameter(f"blocks.1.{n}")), n
+    assert whole.wte.weight is whole.lm_head.weight  # one tensor, one name, one value
+
+
+def test_a_tensor_the_model_does_not_name_is_refused_rather_than_given_arbitrary_values():
+    stage = TinyGPT().blocks[0]
+    stage.register_buffer("_tensor_constant0", torch.ones(3))  # as a split may keep a constant made in forward
+    names = {n: f"blocks.0.{n}" for n, _ in stage.named_parameters()}
+    with pytest.raises(ValueError, match="holds a tensor '_tensor_constant0' that the model does not name"):
+        initialize(stage, init_tiny_gpt, names)
+
+
+def test_a_meta_model_without_init_weights_is_refused_at_its_first_step_naming_what_to_pass():
+    # accepted by parallelize (the dry run trains it on meta inputs), refused before the first step's collectives
+    [message] = run_ranks(meta_model_without_init, 1)
+    assert "is on the meta device (shapes, no values) and the inputs on cpu: pass parallelize(..., init_weights=fn" \
+        in message
+
+
+def test_init_weights_for_a_model_that_already_holds_values_is_refused():
+    with pytest.raises(ValueError, match="already hold values"):
+        gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=1, dp=1), loss_fn=lm_loss,
+                              init_weights=init_tiny_gpt)
+
+
+def test_a_model_partly_on_meta_is_refused():
+    model = TinyGPT()
+    model.blocks[0].qkv.to_empty(device="meta")
+    with pytest.raises(ValueError, match="are on the meta device and the rest are not"):
+        gradsched.parallelize(model, plan=gradsched.ParallelPlan(pp=1, dp=1), loss_fn=lm_loss,
+                              init_weights=init_tiny_gpt)
+
+
+def test_a_meta_model_compiled_by_backend_name_is_refused_pointing_to_parallelize():
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = TinyGPT()
+    compiled = torch.compile(model, backend="gradsched", fullgraph=True,
+                             options={"plan": gradsched.ParallelPlan(pp=1, dp=1)})
+    with pytest.raises(Exception, match="is on the meta device, with no values to train.*init_weights"):
+        compiled(torch.zeros(2, 16, dtype=torch.long, device="meta"))
