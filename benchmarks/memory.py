@@ -38,6 +38,12 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
                      for all with --compiler inductor. AdamW divides each gradient by its own size, so
                      kernels that round differently (eager against decomposed: 1.2e-4 here after two
                      steps, in one process, against 1.2e-7 with SGD) would hide what the distribution does.
+                     For the same reason two fp32 runs that sum in different orders differ at lr scale
+                     where a gradient nearly cancels, whichever is nearer the exact answer; so also:
+  max_abs_param_err_vs_fp64  every parameter after the last step against the unsplit model trained in one
+                     process in float64 (eager): the error of the run
+  one_process_max_abs_param_err_vs_fp64  the same for the one-process fp32 run above (its kernels): the
+                     error a single device makes. A ratio near 1 says the distribution adds no error.
 """
 from __future__ import annotations
 
@@ -224,9 +230,11 @@ def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, b
     return max(r.peak for r in roles)
 
 
-def reference_params(job: Job, backend: str | None) -> dict:
-    """The unsplit model trained in one process on the global batch, compiled with `backend` (None: eager)."""
+def reference_params(job: Job, backend: str | None, dtype: torch.dtype = torch.float32) -> dict:
+    """The unsplit model trained in one process on the global batch, compiled with `backend` (None: eager),
+    in `dtype` (float64: the exact answer's stand-in)."""
     model, _ = build_model(job)
+    model = model.to(dtype)
     forward = torch.compile(model, backend=backend) if backend else model
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     for step in range(job.steps):
@@ -235,6 +243,10 @@ def reference_params(job: Job, backend: str | None) -> dict:
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+
+
+def max_abs_diff(runs: list[dict], ref: dict) -> float:
+    return max((run[n].double() - ref[n].double()).abs().max().item() for run in runs for n in run)
 
 
 def same_kernels(impl: str, compiler: str) -> str | None:
@@ -276,7 +288,7 @@ def main(argv=None) -> int:
     if args.bucket_mb is None:  # one block, as FSDP2 is wrapped: both move the same bytes at a time
         block = build_model(job)[0].blocks[0]
         args.bucket_mb = sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
-    refs = {}
+    refs, exact = {}, None
     numel = sum(p.numel() for n, p in build_model(job)[0].named_parameters())
     rows = []
     for impl in args.impl:
@@ -285,6 +297,7 @@ def main(argv=None) -> int:
             continue
         if fake:
             ranks, diff = fake_world_run(impl, job, args.compiler, args.bucket_mb, args.device), None
+            err = one_err = None
         else:
             ranks = run_ranks(rank_run, args.pp * args.dp, impl, job, args.compiler, args.bucket_mb, timeout_s=1800)
             backend = same_kernels(impl, args.compiler)
@@ -293,6 +306,10 @@ def main(argv=None) -> int:
             ref = refs[backend]
             diffs = {n: (r["params"][n].float() - ref[n]).abs().max().item() for r in ranks for n in r["params"]}
             diff = max(diffs.values())
+            if exact is None:
+                exact = reference_params(job, None, torch.float64)
+            err = max_abs_diff([r["params"] for r in ranks], exact)
+            one_err = max_abs_diff([ref], exact)
             if args.debug:
                 print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
         rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "compiler": args.compiler,
@@ -304,7 +321,8 @@ def main(argv=None) -> int:
                      "predicted_peak_bytes": predicted_peak(impl, job, args.batch_per_rank, args.bucket_mb,
                                                             "nccl" if args.device == "cuda" else "fake" if fake else "gloo"),
                      "step_ms_median": round(1e3 * median_of_slowest(ranks), 1),
-                     "max_abs_param_diff_vs_one_process": diff})
+                     "max_abs_param_diff_vs_one_process": diff,
+                     "max_abs_param_err_vs_fp64": err, "one_process_max_abs_param_err_vs_fp64": one_err})
         emit(rows[-1:], out, append=len(rows) > 1)  # each as it is measured; the file starts anew
     return 0
 
