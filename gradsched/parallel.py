@@ -21,6 +21,7 @@ import torch
 import torch.nn as nn
 
 from gradsched.backend import gradsched_backend
+from gradsched.cp.layout import check_takes_seq_idx
 from gradsched.options import SyncOptions
 from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
                                       hf_checkpointed_layers, warn_checkpointing_dropped)
@@ -33,19 +34,6 @@ from gradsched.training.materialize import check_init, deferred_init, materializ
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
 SCHEDULES = ("auto", "1f1b", "gpipe")
-
-
-def _check_takes_seq_idx(model: nn.Module) -> None:
-    """load_balance="documents" calls the model with (tokens, positions, attention_mask, seq_idx)."""
-    import inspect
-    params = list(inspect.signature(model.forward).parameters.values())
-    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 4:
-        return
-    raise ValueError(
-        f"load_balance='documents' calls {type(model).__name__} with (tokens, positions, attention_mask, seq_idx): "
-        "each sequence is reordered so that every rank holds a piece of every document, and seq_idx says which "
-        f"document each token is in; its forward takes {[p.name for p in params]}. Take seq_idx and hand it to "
-        "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")
 
 
 class ParallelModel:
@@ -66,7 +54,7 @@ class ParallelModel:
                              f"or microbatches={plan.pp} or more.")
         check_split_points(model, split_points)
         if self.options.load_balance == "documents" and plan.cp > 1:
-            _check_takes_seq_idx(model)
+            check_takes_seq_idx(model)
         self.split_points, self.schedule_name, self.tie_override = list(split_points), schedule, ties
         if self.options.shard == "params" and not fullgraph:
             raise ValueError("shard='params' needs fullgraph=True: code between graph breaks runs eagerly and would "
@@ -167,8 +155,11 @@ class ParallelModel:
     def allocate(self, inputs, targets, positions=None, attention_mask=None) -> None:
         """A model built on meta: allocate and initialize this rank's stage for batches like these (the first
         train_step does it otherwise), so that gradsched.load can fill it before any step."""
+        if inputs.shape[0] % self.options.microbatches:
+            raise ValueError(f"batch of {inputs.shape[0]} does not split into microbatches={self.options.microbatches}.")
         inputs, targets = self._shard_sequence(inputs, targets, positions, attention_mask)
-        if self.module is None:
+        if self.module is None:  # the pipeline is split for these shapes: every later step must have them
+            self._check_same_shapes(inputs, targets)
             self._build_pipeline(tuple(t.chunk(self.options.microbatches)[0] for t in inputs))
         self._init = materialize(self.stage_module, inputs[0].device, self._init)
 

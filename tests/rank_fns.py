@@ -470,17 +470,44 @@ def init_tiny_gpt(name: str, t: torch.Tensor) -> None:
         t.normal_(0.0, 0.02)
 
 
-def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, save_dir: str = "", saved: str = ""):
+def init_tiny_llama(name: str, t: torch.Tensor) -> None:
+    """tiny_llama's: RoPE's inv_freq as Llama computes it (head dim 8, theta 10000), norm weights 1, the rest
+    N(0, 0.02)."""
+    if name.endswith("inv_freq"):
+        t.copy_(1.0 / 10000 ** (torch.arange(0, 8, 2, dtype=torch.float32) / 8))
+    elif t.dim() == 1:
+        t.fill_(1.0)
+    else:
+        t.normal_(0.0, 0.02)
+
+
+def init_forgetting_buffers(name: str, t: torch.Tensor) -> None:
+    """An init for parameters only: the rotary table is left as allocated."""
+    if not name.endswith("inv_freq"):
+        init_tiny_llama(name, t)
+
+
+def build_on_meta(model_name: str):
+    """(model on meta, split points, its init)."""
+    from gradsched.hf import tiny_llama
+    with torch.device("meta"):
+        if model_name == "tiny_gpt":
+            return TinyGPT(), ["blocks.1"], init_tiny_gpt
+        model, split_points = tiny_llama()
+        return model, split_points, (init_tiny_llama if model_name == "hf_llama" else init_forgetting_buffers)
+
+
+def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, save_dir: str = "", saved: str = "",
+                        model_name: str = "tiny_gpt"):
     """The tiny tied GPT built on the meta device, allocated per stage and initialized by init_tiny_gpt, trained
     `steps` SGD steps on this rank's share of the global batch. Returns the trained state dict and what is
     on meta. save_dir: try a save before the first step, save
     there after the last; saved: allocate, then load that checkpoint before any step."""
     plan = gradsched.ParallelPlan.from_world(pp=pp)
     config = TinyGPT().config
-    with torch.device("meta"):
-        model = TinyGPT(config)
-    pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=["blocks.1"] if pp > 1 else (),
-                               init_weights=init_tiny_gpt, compiler="eager", **options)
+    model, split_points, init = build_on_meta(model_name)
+    pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=split_points if pp > 1 else (),
+                               init_weights=init, compiler="eager", **options)
     opt = gradsched.DistributedOptimizer(pm, torch.optim.SGD, lr=0.5)
     refused = None
     if save_dir:  # before the first step nothing is allocated: a checkpoint would hold (or load into) nothing
@@ -496,7 +523,10 @@ def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, sav
         gradsched.load(saved, pm, opt)
     for step in range(steps):
         x, y = make_batch(8, config, seed=1 + step)
-        pm.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
+        try:
+            pm.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
+        except ValueError as e:  # a refusal, said on every rank before anything was sent
+            return {"refused": str(e), "stage": plan.stage}
         opt.step()
         opt.zero_grad()
     if save_dir:

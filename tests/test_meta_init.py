@@ -6,18 +6,19 @@ import torch
 import gradsched
 from gradsched.launch import run_ranks
 from gradsched.training.materialize import first_names, initialize
-from rank_fns import init_tiny_gpt, meta_built_training, meta_model_without_init
+from rank_fns import build_on_meta, init_tiny_gpt, meta_built_training, meta_model_without_init
 from tiny_gpt import TinyGPT, lm_loss, make_batch
 
 
-def one_process(steps: int = 2) -> dict:
+def one_process(steps: int = 2, model_name: str = "tiny_gpt") -> dict:
     """The unsplit model, built whole on the CPU and initialized tensor by tensor as gradsched does, trained on
     the global batch."""
-    model = TinyGPT()
-    initialize(model, init_tiny_gpt, first_names(model))
+    from gradsched.hf import tiny_llama
+    model = TinyGPT() if model_name == "tiny_gpt" else tiny_llama()[0]  # built whole, for real
+    initialize(model, build_on_meta(model_name)[2], first_names(model))
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(steps):
-        x, y = make_batch(8, model.config, seed=1 + step)
+        x, y = make_batch(8, TinyGPT().config, seed=1 + step)
         lm_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
@@ -32,8 +33,8 @@ def reference():
 @pytest.mark.parametrize("shard", [True, "params"])
 def test_a_meta_built_model_trains_at_pp2_dp2_like_the_whole_model_in_one_process(reference, shard, tmp_path):
     ranks = run_ranks(meta_built_training, 4, 2, {"shard": shard}, 2, str(tmp_path))
-    # allocated without a step and loaded at another layout, it holds what the checkpoint saved
-    for r in run_ranks(meta_built_training, 4, 1, {"shard": shard}, 0, "", str(tmp_path)):
+    # allocated without a step and loaded (pp2 x dp2, and pp1 x dp4: another layout), it holds what was saved
+    for r in run_ranks(meta_built_training, 4, 2 if shard is True else 1, {"shard": shard}, 0, "", str(tmp_path)):
         assert max((r["state"][k] - v).abs().max().item() for k, v in reference.items()) < 1e-5
     for r in ranks:
         assert list(r["state"]) == list(reference)
@@ -42,6 +43,20 @@ def test_a_meta_built_model_trains_at_pp2_dp2_like_the_whole_model_in_one_proces
         assert r["meta_trained"] == [] and r["unsplit_real"] == []
         other = "blocks.1." if r["stage"] == 0 else "blocks.0."
         assert r["trained"] and not any(n.startswith(other) for n in r["trained"]), r["trained"]
+
+
+def test_a_meta_built_hugging_face_llama_trains_at_pp2_dp2_like_the_whole_model_in_one_process():
+    # its split graphs make positions and check devices inside export's submodules; its rotary table is a buffer
+    reference = one_process(model_name="hf_llama")
+    for r in run_ranks(meta_built_training, 4, 2, {}, 2, "", "", "hf_llama"):
+        assert max((r["state"][k] - v).abs().max().item() for k, v in reference.items()) < 1e-5
+
+
+def test_an_init_that_leaves_a_buffer_unwritten_is_refused_on_every_rank_before_any_step():
+    ranks = run_ranks(meta_built_training, 4, 2, {}, 1, "", "", "hf_llama_params_only_init")
+    for r in ranks:  # stage 0 holds the rotary table; stage 1 is told, instead of waiting for stage 0's activations
+        assert ("init_weights('model.model.rotary_emb.inv_freq', tensor) left elements of the tensor unwritten"
+                if r["stage"] == 0 else "could not allocate or initialize its part") in r["refused"], r
 
 
 def test_a_meta_built_model_trains_at_dp2_like_the_whole_model_in_one_process(reference, tmp_path):

@@ -170,3 +170,16 @@ def shard_causal_lm_batch(input_ids: torch.Tensor, labels: torch.Tensor | None =
         seq_idx, *moved = balance_documents(position_ids, cp, *named.values())
         named = dict(zip(named, moved), seq_idx=seq_idx)
     return {name: shard(t, cp, rank, 1, bool(load_balance)) for name, t in named.items()}
+
+
+def check_takes_seq_idx(model: torch.nn.Module) -> None:
+    """load_balance="documents" calls the model with (tokens, positions, attention_mask, seq_idx)."""
+    import inspect
+    params = list(inspect.signature(model.forward).parameters.values())
+    if any(p.kind is p.VAR_POSITIONAL for p in params) or len(params) >= 4:
+        return
+    raise ValueError(
+        f"load_balance='documents' calls {type(model).__name__} with (tokens, positions, attention_mask, seq_idx): "
+        "each sequence is reordered so that every rank holds a piece of every document, and seq_idx says which "
+        f"document each token is in; its forward takes {[p.name for p in params]}. Take seq_idx and hand it to "
+        "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")

@@ -12,9 +12,9 @@ then filled by `init_weights(name, tensor)`, `name` being the unsplit model's, u
 that name and `init_seed`: the same values on every rank, under every layout and in one process
 (`initialize` on a whole model), and tied copies, one name for all, equal.
 
-Under shard="params" the stage is whole for a moment, until its first graph is compiled and sharded. The unsplit
-model itself stays on meta (its names, ties and shapes are what checkpoints and parameter groups read); on meta
-inputs nothing is allocated (the dry run).
+Under shard="params" the stage is whole for a moment, until its first graph is compiled and sharded. Under pp > 1
+the unsplit model itself stays on meta (its names, ties and shapes are what checkpoints and parameter groups read);
+at pp 1 it is the stage. On meta inputs nothing is allocated (the dry run).
 """
 from __future__ import annotations
 
@@ -80,7 +80,25 @@ def initialize(module: nn.Module, init_weights, canonical: dict[str, str], seed:
                                  "is lost. Register it as a buffer of its module, or build the model on a real device.")
             key = canonical[name]
             torch.manual_seed(seed * 2**32 + zlib.crc32(key.encode()))
+            _poison(t)
             init_weights(key, t)
+            if _poisoned(t):  # allocated memory, never written: it would train silently on whatever was there
+                raise ValueError(f"init_weights({key!r}, tensor) left elements of the tensor unwritten (it fills the "
+                                 "tensor it is given in place, every element, buffers too: e.g. a rotary inv_freq "
+                                 "computed as the module computes it).")
+
+
+def _poison(t: torch.Tensor) -> None:
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(torch.iinfo(t.dtype).min)
+
+
+def _poisoned(t: torch.Tensor) -> bool:
+    if t.is_floating_point() or t.is_complex():
+        return bool(torch.isnan(t).any())
+    return t.dtype != torch.bool and bool((t == torch.iinfo(t.dtype).min).any())
 
 
 def materialize(module: nn.Module, device: torch.device, init):
@@ -89,28 +107,50 @@ def materialize(module: nn.Module, device: torch.device, init):
     if init is None or device.type == "meta":
         return init
     check_init(init, device)
-    _allocate(module, device)
-    _retarget_factories(module, device)
-    initialize(module, *init)
+    error = None
+    try:
+        _allocate(module, device)
+        _retarget_factories(module, device)
+        initialize(module, *init)
+    except Exception as e:  # noqa: BLE001 - agreed below, then raised
+        error = e
+    _agree(error, device)
     return None
 
 
-def _retarget_factories(module: nn.Module, device: torch.device) -> None:
-    """The split traced the model on meta, so its graphs make new tensors there (`arange(..., device=meta)` for
-    positions): each such device becomes `device`."""
-    meta = torch.device("meta")
+def _agree(error: BaseException | None, device: torch.device) -> None:
+    """Every rank allocates its stage at the same point (its first step, or allocate()): a failure on one stage
+    is raised on every rank, before any of them sends a thing (the others would wait for it in the schedule)."""
+    import torch.distributed as dist
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if error is None and failed.item():
+            raise ValueError(f"rank {int(failed.item()) - 1} could not allocate or initialize its part of the model "
+                             "built on meta (its own error says why); no step ran.")
+    if error is not None:
+        raise error
 
+
+def _retarget_factories(module: nn.Module, device: torch.device) -> None:
+    """The split traced the model on meta, so its graphs make new tensors there and assert it (`arange(...,
+    device=meta)` for positions, `_assert_tensor_metadata(device=meta)`): each such device becomes `device`. The
+    graphs are the split's GraphModules and export's InterpreterModules (a `graph`, run from `graph_module`)."""
     def on(a):
-        return device if isinstance(a, torch.device) and a == meta else a
+        if isinstance(a, torch.device) and a.type == "meta":
+            return device
+        return str(device) if a == "meta" else a
     for mod in module.modules():
-        if isinstance(mod, torch.fx.GraphModule):
-            changed = False
-            for node in mod.graph.nodes:
-                args, kwargs = torch.fx.node.map_aggregate(node.args, on), torch.fx.node.map_aggregate(node.kwargs, on)
-                if args != node.args or kwargs != node.kwargs:
-                    node.args, node.kwargs, changed = args, kwargs, True
-            if changed:
-                mod.recompile()
+        graph = getattr(mod, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        changed = False
+        for node in graph.nodes:
+            args, kwargs = torch.fx.node.map_aggregate(node.args, on), torch.fx.node.map_aggregate(node.kwargs, on)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed:
+            (mod if isinstance(mod, torch.fx.GraphModule) else mod.__dict__["graph_module"]).recompile()
 
 
 def _allocate(module: nn.Module, device: torch.device) -> None:
