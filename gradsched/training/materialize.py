@@ -21,6 +21,7 @@ from __future__ import annotations
 import zlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 
@@ -121,7 +122,6 @@ def materialize(module: nn.Module, device: torch.device, init):
 def _agree(error: BaseException | None, device: torch.device) -> None:
     """Every rank allocates its stage at the same point (its first step, or allocate()): a failure on one stage
     is raised on every rank, before any of them sends a thing (the others would wait for it in the schedule)."""
-    import torch.distributed as dist
     if dist.is_initialized() and dist.get_world_size() > 1:
         failed = torch.tensor([dist.get_rank() + 1 if error is not None else 0], device=device)
         dist.all_reduce(failed, op=dist.ReduceOp.MAX)
@@ -136,19 +136,23 @@ def _retarget_factories(module: nn.Module, device: torch.device) -> None:
     """The split traced the model on meta, so its graphs make new tensors there and assert it (`arange(...,
     device=meta)` for positions, `_assert_tensor_metadata(device=meta)`): each such device becomes `device`. The
     graphs are the split's GraphModules and export's InterpreterModules (a `graph`, run from `graph_module`)."""
-    def on(a):
-        if isinstance(a, torch.device) and a.type == "meta":
-            return device
-        return str(device) if a == "meta" else a
+    changed = []
+
+    def on(a):  # a leaf of a node's arguments (compared by type first: a leaf may be a tensor)
+        if (isinstance(a, torch.device) and a.type == "meta") or (isinstance(a, str) and a == "meta"):
+            changed.append(a)
+            return device if isinstance(a, torch.device) else str(device)
+        return a
     for mod in module.modules():
         graph = getattr(mod, "graph", None)
         if not isinstance(graph, torch.fx.Graph):
             continue
-        changed = False
+        changed.clear()
         for node in graph.nodes:
+            before = len(changed)
             args, kwargs = torch.fx.node.map_aggregate(node.args, on), torch.fx.node.map_aggregate(node.kwargs, on)
-            if args != node.args or kwargs != node.kwargs:
-                node.args, node.kwargs, changed = args, kwargs, True
+            if len(changed) > before:
+                node.args, node.kwargs = args, kwargs
         if changed:
             (mod if isinstance(mod, torch.fx.GraphModule) else mod.__dict__["graph_module"]).recompile()
 
