@@ -55,6 +55,7 @@ import torch
 
 from common import RESULTS, emit, median_of_slowest, peak_increment  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
+from gradsched.training.live_bytes import storage_bytes as live_storage_bytes
 from tied_training import Job, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
 
@@ -65,14 +66,7 @@ LR, WEIGHT_DECAY = 1e-3, 0.1
 
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (None skipped; a DTensor's local shard)."""
-    seen = {}
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        storage = t.untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return live_storage_bytes(t.to_local() if hasattr(t, "to_local") else t for t in tensors)
 
 
 def optimizer_tensors(optimizer) -> list:
