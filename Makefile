@@ -32,6 +32,7 @@ gpu-test:
 bench: $(VENV)/.installed
 	$(PY) benchmarks/tied_grad_sync.py --pp 2 --dp 2 --steps 3
 	$(PY) benchmarks/resume_parity.py
+	$(PY) benchmarks/mistakes.py
 	$(PY) benchmarks/overlap.py --pp 2 --dp 2
 	$(PY) benchmarks/overlap.py --pp 1 --dp 4
 	$(PY) benchmarks/cp_numerics.py --cp 8 --seq 4096 --heads 12 --dim 128 --dtype bf16 --causal

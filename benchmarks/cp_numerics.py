@@ -285,13 +285,25 @@ def _rank(rank: int, world: int, cfg: dict):
     return results
 
 
+def abs_err(x, ref) -> torch.Tensor:
+    """|x - ref| in fp64, element by element, inf where either side is a NaN or an inf: a mean or max
+    of it is then inf, and a NaN or inf reads as a failure."""
+    x, ref = x.double(), ref.double()
+    return torch.where(torch.isfinite(x) & torch.isfinite(ref), (x - ref).abs(), math.inf)
+
+
+def error_ratio(err: float, base: float) -> float:
+    """err / base; inf if either is inf (a non-finite baseline would otherwise make any error look small)."""
+    return math.inf if math.inf in (err, base) else err / base if base else float("nan")
+
+
 def metrics(ring, single, ref) -> dict:
-    err = (ring.double() - ref).abs()
-    single_mean = (single.double() - ref).abs().mean().item()
+    err = abs_err(ring, ref)
+    single_mean = abs_err(single, ref).mean().item()
     mismatch = ~torch.isclose(ring.double(), single.double(), rtol=1.3e-6, atol=1e-5)
     return {"mean_abs_err": err.mean().item(), "max_abs_err": err.max().item(),
             "single_mean_abs_err": single_mean,
-            "ratio_to_single": err.mean().item() / single_mean if single_mean else float("nan"),
+            "ratio_to_single": error_ratio(err.mean().item(), single_mean),
             "mismatch_vs_single": mismatch.double().mean().item()}
 
 
@@ -301,11 +313,11 @@ def masked_metrics(ring, single, ref, seen, dtype) -> dict:
     and the ring's largest value among the tokens left out (0 expected)."""
     keep = seen[:, None, :, None].expand(ring.shape)
     exact = ref[keep]
-    floor = (exact.to(dtype).double() - exact).abs().mean().item()
+    floor = abs_err(exact.to(dtype), exact).mean().item()
     row = metrics(ring[keep], single[keep], exact)
     left_out = ring[~keep]
     return {**row, "floor_mean_abs_err": floor,
-            "ratio_to_floor": row["mean_abs_err"] / floor if floor else float("nan"),
+            "ratio_to_floor": error_ratio(row["mean_abs_err"], floor),
             "left_out_fraction": left_out.numel() / ring.numel(),
             "left_out_max_abs": left_out.abs().max().item() if left_out.numel() else 0.0}
 

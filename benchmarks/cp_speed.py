@@ -87,6 +87,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cp_numerics import DTYPES, torch_ring_attention  # noqa: E402
 from cp_numerics import single_process as single_kernel  # noqa: E402
 from common import emit  # benchmarks/common.py (the script's folder is on sys.path)
+from tied_training import abs_diff  # noqa: E402 - examples/, put on the path by common
 
 OTHER_SCHEDULE = {False: "gradsched_fast_schedule", True: "gradsched_fewest_roundings"}  # by fewest_roundings
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "cp_speed.jsonl")
@@ -224,8 +225,7 @@ def _rank(rank: int, world: int, cfg: dict):
                 continue
             err, bound = (a.double() - b.double()).abs().max().item(), 8 * torch.finfo(dtype).eps * b.abs().max().item()
             assert err <= bound, f"rank {rank} {name} {label} differs from {ref_name} by {err:.3g} > {bound:.3g}"
-        diffs[name] = max((a.double() - b.double()).abs().max().item()
-                          for a, b in zip(results[name], results[ref_name]))
+        diffs[name] = max(abs_diff(a.double(), b.double()) for a, b in zip(results[name], results[ref_name]))
     diffs[ref_name] = diffs["limit"] = diffs["no_window"] = 0.0
     if rank == 0:
         log(f"outputs agree (max |diff| vs {ref_name}: "

@@ -56,7 +56,7 @@ import torch
 from common import RESULTS, emit, median_of_slowest, peak_increment  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.training.live_bytes import storage_bytes as live_storage_bytes
-from tied_training import Job, batch, build_model
+from tied_training import Job, abs_diff, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
 
 CONFIG = GPTConfig(vocab=8192, seq=64, dim=512, heads=8, layers=8)
@@ -240,7 +240,8 @@ def reference_params(job: Job, backend: str | None, dtype: torch.dtype = torch.f
 
 
 def max_abs_diff(runs: list[dict], ref: dict) -> float:
-    return max((run[n].double() - ref[n].double()).abs().max().item() for run in runs for n in run)
+    """Max |run - ref| over every parameter of every run; inf if either side holds a NaN or an inf."""
+    return max(abs_diff(run[n].double(), ref[n].double()) for run in runs for n in run)
 
 
 def same_kernels(impl: str, compiler: str) -> str | None:
@@ -298,7 +299,7 @@ def main(argv=None) -> int:
             if backend not in refs:
                 refs[backend] = reference_params(job, backend)
             ref = refs[backend]
-            diffs = {n: (r["params"][n].float() - ref[n]).abs().max().item() for r in ranks for n in r["params"]}
+            diffs = {n: abs_diff(r["params"][n].float(), ref[n]) for r in ranks for n in r["params"]}
             diff = max(diffs.values())
             if exact is None:
                 exact = reference_params(job, None, torch.float64)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 import torch
@@ -57,7 +58,7 @@ def main(argv=None) -> int:
         curves[acc] = losses
         diffs = []
         for step, (got, want) in enumerate(zip(losses, ref["losses"])):
-            diffs.append(abs(got - want) / abs(want))
+            diffs.append(abs(got - want) / abs(want) if math.isfinite(got) and math.isfinite(want) else math.inf)
             rows.append({"bench": "train_parity", "model": args.model, "dtype": args.dtype, "accumulate": acc,
                          "step": step + 1, "loss": got, "loss_reference": want, "rel_diff": diffs[-1]})
             print(json.dumps(rows[-1]), flush=True)

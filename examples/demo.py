@@ -8,6 +8,7 @@ model trained in one process.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -58,8 +59,9 @@ def main(argv=None) -> int:
     last = [r for r in ranks if r["losses"][0] is not None]
     loss_ok = True
     for step, want in enumerate(ref["losses"]):
-        got = max((r["losses"][step] for r in last), key=lambda g: abs(g - want))
-        loss_ok &= abs(got - want) <= 1e-6 * abs(want)
+        # the furthest rank's loss; a NaN or inf is furthest (a NaN key would never win a max())
+        got = max((r["losses"][step] for r in last), key=lambda g: abs(g - want) if math.isfinite(g) else math.inf)
+        loss_ok &= abs(got - want) <= 1e-6 * abs(want)  # False for a NaN or inf on either side
         say(f"step {step + 1}: loss {got:.6f}  reference {want:.6f}  rel diff {abs(got - want) / abs(want):.2e}")
     # NOTE: after AdamW, a gradient that is rounding noise (near zero, or summed in another
     # order) still moves its weight by up to lr per step, so the parameters are reported, not

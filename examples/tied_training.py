@@ -6,6 +6,7 @@ process, on the whole global batch, with the same optimizer.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -267,18 +268,30 @@ def reduced_gradients(sync) -> dict:
             "buckets": [(b.numel, [(s.name, s.offset, s.numel) for s in b.slots]) for b in plan.layout.buckets]}
 
 
+def abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Max |a - b| as a float, and inf if either side holds a NaN or an inf: every comparison here
+    reports a non-finite value as a failure (max(0.0, nan) is 0.0, and inf - inf is NaN)."""
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return math.inf
+    d = (a - b).abs()
+    return d.max().item() if d.numel() else 0.0
+
+
 def gradient_error(ref: dict, ranks: list[dict]) -> float:
     """Max |reduced gradient - reference gradient| over every rank, relative to max |reference gradient|.
 
     The reference is the unsplit model's .grad after one backward over the global batch; each rank's
-    shard is compared with the matching slice of the reference's gradients laid out as its bucket."""
+    shard is compared with the matching slice of the reference's gradients laid out as its bucket.
+    inf when a gradient on either side holds a NaN or an inf."""
+    if not all(torch.isfinite(g).all() for g in ref["grads"].values()):
+        return math.inf  # a NaN would otherwise drop out of the scale below
     scale = max(g.abs().max().item() for g in ref["grads"].values())
     worst = 0.0
     for r in ranks:
         got = r["grads"]
         if "full" in got:
             for name, g in got["full"].items():
-                worst = max(worst, (g.double() - ref["grads"][name].double()).abs().max().item())
+                worst = max(worst, abs_diff(g.double(), ref["grads"][name].double()))
             continue
         for shard, (numel, slots) in zip(got["shards"], got["buckets"]):
             flat = torch.zeros(numel, dtype=torch.float64)
@@ -286,19 +299,20 @@ def gradient_error(ref: dict, ranks: list[dict]) -> float:
                 flat[offset:offset + n] = ref["grads"][name].double().reshape(-1)
             size = numel // got["shards_n"]
             want = flat[got["shard_index"] * size:(got["shard_index"] + 1) * size]
-            worst = max(worst, (shard.double() - want).abs().max().item())
+            worst = max(worst, abs_diff(shard.double(), want))
     return worst / scale
 
 
 def compare(ref: dict, ranks: list[dict]) -> dict:
-    """Max |parallel - reference| over every parameter of every rank, and tied-copy equality."""
+    """Max |parallel - reference| over every parameter of every rank (inf if either holds a NaN or an
+    inf), and tied-copy equality."""
     worst, missing = 0.0, []
     for r in ranks:
         for name, p in r["params"].items():
             if name not in ref["params"]:
                 missing.append(name)
                 continue
-            worst = max(worst, (p - ref["params"][name]).abs().max().item())
+            worst = max(worst, abs_diff(p, ref["params"][name]))
     # tied copies: every stage's copy of one weight, on the same dp index, bitwise equal
     tied_equal = True
     for r in ranks:
@@ -370,7 +384,7 @@ def checkpoint_contents(path: str) -> dict:
 
 def max_state_diff(a: dict, b: dict, prefixes=("model/", "optim/")) -> float:
     """Max |a - b| over the parameters, master weights and optimizer state of two checkpoints (which
-    must hold the same keys)."""
+    must hold the same keys); inf where either holds a NaN or an inf."""
     keys = sorted(k for k in a if k.startswith(prefixes))
     assert keys == sorted(k for k in b if k.startswith(prefixes)), set(a) ^ set(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in keys)
+    return max(abs_diff(a[k].double(), b[k].double()) for k in keys)

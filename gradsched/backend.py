@@ -17,7 +17,10 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from gradsched.sync.compile import compile_graph
+from gradsched.sync.replicas import make_tensors_equal
+from gradsched.sync.runtime import sync_of
 from gradsched.options import SyncOptions
+from gradsched.sync.watchdog import JOURNAL
 
 _KEY = re.compile(r"\['([^']+)'\]|\.([A-Za-z_]\w*)")
 
@@ -114,6 +117,18 @@ def _param_placeholders(fw_gm: fx.GraphModule, params: dict) -> dict[str, str]:
     return out
 
 
+def _module_tensors(gm: fx.GraphModule, example_inputs) -> list[tuple[str, str, torch.Tensor]]:
+    """(kind, name, tensor) of the graph's parameter and buffer inputs (Dynamo lifts each tensor once)."""
+    out = []
+    for ph, ex in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        arg = ph.meta.get("grapharg")
+        source = arg.source.name if arg is not None else ""
+        kind = "parameter" if isinstance(ex, torch.nn.Parameter) else "buffer" if "_buffers[" in source else ""
+        if kind:
+            out.append((kind, param_name_from_source(source) if source else ph.name, ex))
+    return out
+
+
 def _refuse_meta(params: dict) -> None:
     """By name nothing allocates a meta-built model (parallelize does, per stage; the dry run keeps it on meta)."""
     meta = [name for name, p in params.values() if p.is_meta]
@@ -126,13 +141,22 @@ def _refuse_meta(params: dict) -> None:
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
                       plan=None):
     """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
-    in `options`; gradsched.parallelize passes its plan and the stage's GradSync."""
+    in `options`; gradsched.parallelize passes its plan and the stage's GradSync. Compiling is a journal
+    entry of kind "compile": peers waiting meanwhile give it compile_timeout_s, not fault_timeout_s."""
+    with JOURNAL.entry("compiling a graph (Dynamo's graph: AOTAutograd, gradsched's passes, Inductor)", "compile"):
+        return _compile(gm, example_inputs, options, grad_sync, plan)
+
+
+def _compile(gm, example_inputs, options, grad_sync, plan):
     options = dict(options or {})
     plan = options.pop("plan", plan)
     params = parameter_inputs(gm, example_inputs)
     if grad_sync is None:
         _refuse_meta(params)
-        grad_sync = _sync_for_backend_by_name(plan, options, [p for _, p in params.values()])
+        found = [p for _, p in params.values()]
+        grad_sync = _sync_for_backend_by_name(plan, options, found)
+        if sync_of(found) is not grad_sync:  # the model's first compile, on every rank: its replicas start equal
+            make_tensors_equal(_module_tensors(gm, example_inputs), plan)
     opts = grad_sync.options
     compiler = opts.compiler
     if plan.cp > 1:
@@ -141,6 +165,10 @@ def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None =
     names = {}  # shard="params": this call's forward placeholder -> parameter name, for its backward
 
     def bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
+        with JOURNAL.entry("compiling the backward graph", "compile"):
+            return _bw_compiler(bw_gm, bw_inputs)
+
+    def _bw_compiler(bw_gm: fx.GraphModule, bw_inputs):
         descs = bw_gm.graph.output_node().meta.get("desc") or []
         grad_names = {}
         for out_idx, desc in enumerate(descs):

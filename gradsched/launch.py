@@ -7,6 +7,7 @@ leaves a process behind.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import pickle
@@ -118,8 +119,9 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeou
 
 def launch_command(nproc: int, argv: list[str]) -> int:
     """Start `python argv...` on `nproc` local processes (torchrun's variables, one thread each unless
-    OMP_NUM_THREADS says otherwise) and wait for them. When one fails, the others are stopped, and the
-    exit code is the first failure's: 2 for a mistake, which rank 0 has named in one line."""
+    OMP_NUM_THREADS says otherwise) and wait for them. When one fails, the others are stopped (after a
+    mistake, exit code 2, only if they do not end with it too), and the exit code is the first failure's:
+    2 for a mistake, which rank 0 has named in one line."""
     env = {**os.environ, "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env.setdefault("OMP_NUM_THREADS", "1")
     procs = [subprocess.Popen([sys.executable, *argv],
@@ -133,15 +135,20 @@ def launch_command(nproc: int, argv: list[str]) -> int:
                 p.wait()
 
 
-def _wait_all(procs, grace_s: float = 5.0) -> int:
+MISTAKE_GRACE_S = 120.0  # after a rank ended with a mistake (exit code 2), for the others to end with it too
+
+
+def _wait_all(procs, grace_s: float = 5.0, mistake_grace_s: float = MISTAKE_GRACE_S) -> int:
     """0 when every process ends well; else the first failure's exit code. After a failure the others
-    get `grace_s` to end by themselves (ranks finding the same mistake end with it, and rank 0 says
-    it), then are stopped."""
+    get `grace_s` to end by themselves, then are stopped; after a mistake (exit code 2), `mistake_grace_s`:
+    every rank finds the same one (a slower rank, rank 0 maybe, is still starting) and rank 0 names it,
+    so rank 0 is not stopped before its line."""
     first, deadline = None, None
     while any(p.poll() is None for p in procs):
         failed = [p.returncode for p in procs if p.returncode not in (None, 0)]
         if failed and first is None:
-            first, deadline = failed[0], time.monotonic() + grace_s
+            first = failed[0]
+            deadline = time.monotonic() + (mistake_grace_s if first == 2 else grace_s)
         if deadline is not None and time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
@@ -151,3 +158,53 @@ def _wait_all(procs, grace_s: float = 5.0) -> int:
     if first is None:
         first = next((p.returncode for p in procs if p.returncode != 0), 0)
     return first if first > 0 else 1 if first else 0
+
+
+# ---- the end of a rank's part in the job ---------------------------------------------------------
+
+_LEAVES = [0]  # default process groups this process has left: each leave's store keys are its own
+
+
+def leave(timeout_s: float = 60.0, left_timeout_s: float = 30.0) -> None:
+    """End this rank's part in the job, every rank together: its watchdog stopped; a barrier on the store (every
+    rank's collectives are over before any rank tears its connections down; at most `timeout_s`); the process
+    group destroyed; and rank 0, whose process hosts the job's store (launched as torchrun's variables say,
+    without torchrun's agent), returns last, once every rank has said it no longer needs the store (at most
+    `left_timeout_s`). A rank that calls a store whose host has exited logs TCPStore's C++ error and stack
+    ('sendBytes failed ... Broken pipe', 'frame #0: ...'), and one still connecting or in a collective with a
+    rank that has gone fails in gloo ('Connection closed by peer'). Every rank calls it; a world of one only
+    destroys its group."""
+    import torch.distributed as dist
+
+    from gradsched.sync.watchdog import stop
+    if not dist.is_initialized():
+        return
+    stop()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    store = None
+    if world > 1:
+        _LEAVES[0] += 1
+        with contextlib.suppress(Exception):
+            store = dist.distributed_c10d._get_default_store()  # held: rank 0's store outlives its process group
+    key = f"gradsched/leave/{_LEAVES[0]}"
+    if store is not None:
+        _meet(store, f"{key}/done", world, timeout_s, wait=True)
+    dist.destroy_process_group()
+    if store is not None:
+        _meet(store, f"{key}/left", world, left_timeout_s, wait=rank == 0)
+
+
+def _meet(store, key: str, world: int, timeout_s: float, wait: bool) -> bool:
+    """Count this rank in at `key`; with `wait`, wait (at most timeout_s) until all `world` ranks have. Polled,
+    not store.wait: a wait that times out logs C++ warnings. False if the store failed or the wait timed out."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        n = store.add(key, 1)
+        while wait and n < world:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)
+            n = store.add(key, 0)
+        return True
+    except Exception:  # noqa: BLE001 - a rank gone or too slow: leave anyway
+        return False

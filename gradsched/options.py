@@ -12,6 +12,7 @@ ACCUMULATE = ("fp32", "input", "fp32_blocks")
 COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
 LOAD_BALANCE = (True, False, "documents")
 SHARDS = (True, False, "params")
+ON_NONFINITE = ("raise", "skip")
 # The one list of each option's values: the context-parallel modules import them from here.
 
 
@@ -54,7 +55,13 @@ class SyncOptions:
     # seconds an eager collective may wait while every peer of its group is alive and waiting too (a collective
     # issued on some ranks only): then each stalled rank names every peer's position and exits (gradsched.sync.watchdog)
     fault_timeout_s: float = 30.0
+    # the same for a rank that is compiling (its first step, a recompile) or writing a checkpoint: peers waiting
+    # for it meanwhile give it this long before they name it (gradsched.sync.stuck)
+    compile_timeout_s: float = 600.0
     dump_dir: str | None = None
+    # a step whose loss or gradients went non-finite on any rank is never applied (gradsched.sync.nonfinite):
+    # "raise" ends the run on every rank naming where it began; "skip" skips the step on every rank
+    on_nonfinite: str = "raise"
     # context parallelism (plan.cp > 1): how attention is lowered into ring steps
     accumulate: str = "fp32"  # "fp32" | "input" | "fp32_blocks"
     # "ring" (p2p K/V rotation) | "allgather" | "a2a" (Ulysses: heads, gradsched.cp.ulysses) | "hybrid" (a2a over
@@ -81,6 +88,8 @@ class SyncOptions:
             bad("compiler", self.compiler, COMPILERS)
         if self.accumulate not in ACCUMULATE:
             bad("accumulate", self.accumulate, ACCUMULATE)
+        if self.on_nonfinite not in ON_NONFINITE:
+            bad("on_nonfinite", self.on_nonfinite, ON_NONFINITE)
         if self.comm not in COMMS:
             bad("comm", self.comm, COMMS)
         if not (isinstance(self.load_balance, bool) or self.load_balance == "documents"):
@@ -90,6 +99,8 @@ class SyncOptions:
                              f"{self.comm!r}): set comm='hybrid', or leave a2a_degree unset.")
         if self.a2a_degree is not None and self.a2a_degree < 1:
             raise ValueError(f"gradsched option a2a_degree={self.a2a_degree} must be >= 1 (a divisor of cp).")
+        if not self.compile_timeout_s > 0:
+            raise ValueError(f"gradsched option compile_timeout_s={self.compile_timeout_s} must be > 0 (seconds).")
         if not self.fault_timeout_s > 0:
             raise ValueError(f"gradsched option fault_timeout_s={self.fault_timeout_s} must be > 0 (seconds).")
         if self.bucket_mb <= 0:

@@ -26,10 +26,14 @@ from gradsched.options import SyncOptions
 from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
                                       hf_checkpointed_layers, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
+from gradsched.sync.replicas import make_replicas_equal
+from gradsched.sync import nonfinite
+from gradsched.sync.boundaries import agree_stage_boundaries
 from gradsched.sync.runtime import GradSync
 from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
+from gradsched.training import loss_weights
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
@@ -68,10 +72,12 @@ class ParallelModel:
         self.module = None
         self._steps = 0
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
-                           self.options.fault_timeout_s)
+                           self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
+        self._replicas_equal = False
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
+            self._make_replicas_equal()
 
     def _build(self, ties, stage_module):
         self.ties = ties
@@ -162,12 +168,22 @@ class ParallelModel:
             self._check_same_shapes(inputs, targets)
             self._build_pipeline(tuple(t.chunk(self.options.microbatches)[0] for t in inputs))
         self._init = materialize(self.stage_module, inputs[0].device, self._init)
+        self._make_replicas_equal()
+
+    def _make_replicas_equal(self) -> None:
+        """Once, when this rank's stage is final and holds values (split, allocated), before any graph of it runs
+        or shards it: every replica of the stage checked alike and given its first replica's values."""
+        if not self._replicas_equal and self._init is None and self.module is not None:
+            self._replicas_equal = True
+            make_replicas_equal(self.stage_module, self.plan)
 
     def _build_pipeline(self, microbatch: tuple):
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         meta = self._init is not None  # split on meta copies of the micro-batch: only this rank's stage is allocated
         self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
+        agree_stage_boundaries(self.stage_module, self.plan)  # before anything is sent: a mismatch named at its source
         self._init = materialize(self.stage_module, microbatch[0].device, self._init)
+        self._make_replicas_equal()
         sync = self.grad_sync
 
         class Stage(PipelineStage):
@@ -175,7 +191,26 @@ class ParallelModel:
             # runs an extra shape-inference backward on its first step)
             def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
                 with sync.step_boundary(last=last_backward):
-                    return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+                    out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+                if not self.is_first:  # what it sends back: noted on the device, never read here
+                    sync.nonfinite.observe(nonfinite.BACKWARD, self.bwd_cache.get(bwd_chunk_id))
+                return out
+
+            # pipelining infers shapes on its first step by running the stage (and the loss) on empty tensors:
+            # whatever they hold is no value of the model's, and is not checked
+            def _forward_metadata_inference(self, *args, **kwargs):
+                with sync.nonfinite.paused():
+                    return super()._forward_metadata_inference(*args, **kwargs)
+
+            def _backward_metadata_inference(self, *args, **kwargs):
+                with sync.nonfinite.paused():
+                    return super()._backward_metadata_inference(*args, **kwargs)
+
+            def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+                if not self.is_last:  # what it sends on (the last stage's output is checked as its loss)
+                    sync.nonfinite.observe(nonfinite.FORWARD, out)
+                return out
 
         device = next(self.module.parameters()).device  # the stage runs where its weights are
         stage = Stage(self.module, self.plan.stage, self.plan.pp, device,
@@ -195,8 +230,10 @@ class ParallelModel:
         """
         self._steps += 1
         try:
+            # the first step traces and compiles (Dynamo's trace before the backend included): peers
+            # waiting for it meanwhile give it compile_timeout_s (gradsched.sync.stuck)
             with JOURNAL.entry(f"train_step {self._steps}: the stage's schedule (forward, backward, CP and p2p "
-                               "collectives in its compiled graphs)"):
+                               "collectives in its compiled graphs)", "compile" if self._steps == 1 else "phase"):
                 return self._train_step(inputs, targets, positions, attention_mask)
         except Exception as e:  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
             own = own_error(e)
@@ -217,6 +254,7 @@ class ParallelModel:
             self._total = self._global_count(targets)
         if self.plan.pp == 1:
             self._init = materialize(self.stage_module, inputs[0].device, self._init)
+            self._make_replicas_equal()
             losses = []
             for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
                 with self._stage_errors():
@@ -263,59 +301,24 @@ class ParallelModel:
                 f"{shapes[0]} and {shapes[1]}. Under pp > 1 keep the batch size, microbatches and sequence "
                 "length the same every step (pad sequences to one length), or train with pp=1.")
 
-    # ---- the loss of the global batch --------------------------------------------------------
-    # NOTE: a rank sees only its share of the batch (dp), of each sequence (cp) and of each
-    # micro-batch. Averaging the ranks' own means is wrong as soon as they hold different numbers
-    # of labelled tokens (ignore_index, padding). With average=True, each micro-batch's mean loss
-    # is weighted by its labelled tokens over the global batch's, times the gradient group size
-    # (the reduction divides by it): the step's gradient is exactly that of the mean over all
-    # labelled tokens of the global batch, as in one process. With average=False, loss_fn is
-    # taken as a sum and summed, over micro-batches and ranks alike.
-    def _count(self, target) -> torch.Tensor:
-        if target.dtype.is_floating_point:  # a regression target: every element is scored
-            return torch.tensor(float(target.numel()), dtype=torch.float64, device=target.device)
-        return (target != self.ignore_index).sum().to(torch.float64)
-
+    # ---- the loss of the global batch (gradsched.training.loss_weights) ------------------------------
     def _global_count(self, targets) -> torch.Tensor | None:
         """Labelled tokens of the global batch (None with average=False: nothing is weighted)."""
-        import torch.distributed as dist
-        if not self.options.average:
-            return None
-        total = self._count(targets)
-        if len(self.plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
-            pg = self.plan.process_group("grad")
-            with JOURNAL.entry("the global batch's labelled-token count", "collective", pg, "all_reduce", 1, total.dtype):
-                dist.all_reduce(total, group=pg)
-        if total == 0:
-            raise ValueError(f"every target of this step is ignore_index={self.ignore_index}: the mean loss "
-                             "is undefined. Check the labels (or ignore_index=).")
-        return total
+        return loss_weights.global_count(targets, self.plan, self.ignore_index) if self.options.average else None
 
     def _weighted_loss(self, out, target):
         """A micro-batch's share of the step's loss, from its own targets (no call counting: pipelining
         computes one extra loss on its first step)."""
+        def observe(loss):
+            self.grad_sync.nonfinite.observe(nonfinite.LOSS, loss)
         if self._total is None:
-            return self.loss_fn(out, target)
-        n = self._count(target)
-        if n == 0:  # all ignored: the mean would be 0/0; contribute exact zeros instead
-            return sum(t.sum() * 0.0 for t in torch.utils._pytree.tree_leaves(out) if t.is_floating_point())
-        weight = n * len(self.plan.group_ranks("grad")) / self._total  # a tensor: no device sync
-        loss = self.loss_fn(out, target)
-        return loss * weight.to(loss.dtype)
+            loss = self.loss_fn(out, target)
+            observe(loss)
+            return loss
+        return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index, observe)
 
     def _global_loss(self, losses) -> torch.Tensor:
-        """The step's loss over the global batch (mean over labelled tokens, or sum), from this rank's
-        micro-batch losses: the same on every rank of the last stage."""
-        import torch.distributed as dist
-        loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
-        group_size = len(self.plan.group_ranks("grad"))
-        if self.options.average:
-            loss = loss / group_size
-        if group_size > 1:
-            pg = self.plan.process_group("grad")
-            with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, loss.dtype):
-                dist.all_reduce(loss, group=pg)
-        return loss.float()
+        return loss_weights.global_loss(losses, self.plan, self.options.average)
 
     def named_parameters(self):
         """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,

@@ -44,24 +44,15 @@ class ParallelPlan:
         """Lay the plan over `group` (default: the world), inferring dp if omitted.
 
         Starts the default process group from torchrun's environment (RANK,
-        WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when none is running yet.
+        WORLD_SIZE, MASTER_ADDR, MASTER_PORT) when none is running yet; sizes that
+        cannot fit WORLD_SIZE are refused before it connects (every rank alike).
         """
         if not dist.is_initialized():
+            if group is None and os.environ.get("WORLD_SIZE", "").isdigit():
+                plan_sizes(int(os.environ["WORLD_SIZE"]), pp, cp, dp)  # a plan that cannot fit: before connecting
             init_from_env()
         world = dist.get_world_size(group)
-        for name, size in (("pp", pp), ("cp", cp)):
-            if size < 1:
-                raise PlanError(f"{name}={size}: every parallel size must be >= 1.")
-        if dp is None:
-            if world % (pp * cp):
-                raise PlanError(
-                    f"pp={pp} x cp={cp} does not divide the world size {world}: "
-                    f"start a multiple of {pp * cp} processes, or change pp/cp.")
-            dp = world // (pp * cp)
-        if dp < 1 or pp * dp * cp != world:
-            raise PlanError(
-                f"pp={pp} x dp={dp} x cp={cp} = {pp * dp * cp} processes, but the world has "
-                f"{world}: choose sizes whose product is {world}, or leave dp out to infer it.")
+        dp = plan_sizes(world, pp, cp, dp)
         plan = cls(pp=pp, dp=dp, cp=cp, group=group)
         plan._build_groups()
         return plan
@@ -146,6 +137,25 @@ class ParallelPlan:
     def describe(self) -> str:
         p, d, c = self.coords()
         return f"rank {self.rank}/{self.world} (pp={p}/{self.pp}, dp={d}/{self.dp}, cp={c}/{self.cp})"
+
+
+def plan_sizes(world: int, pp: int = 1, cp: int = 1, dp: int | None = None) -> int:
+    """dp of a plan of pp x dp x cp over `world` processes (inferred when None); a PlanError when the sizes
+    cannot fit. Needs no process group: every rank decides alike from the same sizes, before connecting."""
+    for name, size in (("pp", pp), ("cp", cp)):
+        if size < 1:
+            raise PlanError(f"{name}={size}: every parallel size must be >= 1.")
+    if dp is None:
+        if world % (pp * cp):
+            raise PlanError(
+                f"pp={pp} x cp={cp} does not divide the world size {world}: "
+                f"start a multiple of {pp * cp} processes, or change pp/cp.")
+        dp = world // (pp * cp)
+    if dp < 1 or pp * dp * cp != world:
+        raise PlanError(
+            f"pp={pp} x dp={dp} x cp={cp} = {pp * dp * cp} processes, but the world has "
+            f"{world}: choose sizes whose product is {world}, or leave dp out to infer it.")
+    return dp
 
 
 def init_from_env(backend: str | None = None, timeout_s: float = 120.0) -> None:

@@ -20,7 +20,10 @@ dp is what is left of the world after pp x cp. The rank that holds the loss (the
 first rank) shows progress and writes the metrics, one JSON object per step.
 
 A mistake of the user's (the plan, the data, the model, the checkpoint) ends the run with one line
-from rank 0 on stderr and exit code 2, no traceback (--debug keeps the tracebacks).
+from rank 0 on stderr and exit code 2, no traceback (--debug keeps the tracebacks). What a rank can check
+alone (the command line against WORLD_SIZE, the files, the data against the model's vocabulary, the
+checkpoint's state) every rank checks before connecting; what needs the process group (a checkpoint against
+the model) ends every rank together. A run's ranks leave together, rank 0 (the host of the job's store) last.
 """
 from __future__ import annotations
 
@@ -35,8 +38,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from gradsched.launch import free_port, launch_command
+from gradsched.launch import free_port, launch_command, leave
+from gradsched.plan import plan_sizes
 from gradsched.sync.watchdog import CollectiveFault
+from gradsched.sync.watchdog import stop as stop_watchdog
 from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
@@ -107,12 +112,12 @@ def next_token_loss(logits, targets):
 # ---- the run --------------------------------------------------------------------------------
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, whose usage errors rank 0 alone prints (every rank parses the same command line)."""
+    """argparse, whose usage errors rank 0 alone prints, in the one line of every mistake (every rank parses the
+    same command line)."""
 
     def error(self, message):
         if rank0():
-            self.print_usage(sys.stderr)
-            print(f"{self.prog}: error: {message}", file=sys.stderr)
+            print(f"gradsched.train: error: {' '.join(message.split())} (see --help)", file=sys.stderr, flush=True)
         sys.exit(2)
 
 
@@ -133,6 +138,9 @@ def parse(argv=None):
     ap.add_argument("--warmup", type=int, default=10, help="steps of linear warmup")
     ap.add_argument("--weight-decay", type=float, default=0.1, help="on matrices; biases and norms are decay-free")
     ap.add_argument("--clip", type=float, default=1.0, help="global gradient norm; 0: no clipping")
+    ap.add_argument("--on-nonfinite", default="raise", choices=("raise", "skip"),
+                    help="a step whose loss or gradients went non-finite on any rank: end the run naming where "
+                         "(exit code 3), or skip the step on every rank (counted in the progress line and metrics)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters and compute")
     ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"), help="torch.compile backend")
     ap.add_argument("--ckpt", help="checkpoint directory (gradsched.save)")
@@ -181,55 +189,104 @@ def main(argv=None) -> int:
     quiet_libraries()
     try:
         return train(args)
-    except (Mistake, gradsched.PlanError, gradsched.CheckpointError, CollectiveFault) as e:
+    except (Mistake, gradsched.PlanError, gradsched.CheckpointError, CollectiveFault, gradsched.NonFiniteError) as e:
         if args.debug:
             raise
         if isinstance(e, CollectiveFault) or isinstance(e.__cause__, CollectiveFault):
             return fault(e)
-        return refuse(e)
+        return refuse(e, 3 if isinstance(e, gradsched.NonFiniteError) else 2)
 
 
-def refuse(e: Exception) -> int:
+def refuse(e: Exception, code: int = 2) -> int:
     """One line on rank 0 (every rank found the same mistake: each decides from the same command line,
-    files and checkpoint), then exit code 2 on every rank."""
+    files and checkpoint; or the same non-finite step), then exit code `code` on every rank (2; 3 for a
+    non-finite step). A mistake found before connecting (train checks
+    all it can first) ends each rank alone; one found once the process group runs ends the ranks together
+    (leave): none tears its connections down while a peer still uses them, and rank 0, the store's host,
+    goes last."""
     if rank0():
         print(f"gradsched.train: error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    return 2
+    leave()
+    return code
 
 
 def fault(e: Exception) -> int:
     """Another rank failed or stalled: every surviving rank says, in one line, where it was and which rank
-    it names (its journal's last entries follow with --debug), then exit code 3."""
+    it names (its journal's last entries follow with --debug), then exit code 3. The watchdog is stopped
+    first: no store call (and no TCPStore error of a store whose host is gone) follows the line."""
+    stop_watchdog()
     first = str(e).split("This rank's last entries:")[0]
     rank = os.environ.get("RANK", "0")
     print(f"gradsched.train: rank {rank}: {' '.join(first.split())}", file=sys.stderr, flush=True)
     return 3
 
 
+def check_alone(args, world: int) -> None:
+    """The mistakes of the command line a rank finds alone, from WORLD_SIZE and the file system: every rank
+    finds the same, before any connection (a rank that left while its peers were still connecting failed
+    them in gloo, and rank 0's line could be lost). The checkpoint's, the model's and the data's checks
+    follow in train, before connecting too."""
+    dp = plan_sizes(world, args.pp, args.cp)
+    if args.batch % (dp * args.microbatches):
+        raise Mistake(f"--batch {args.batch} must divide into dp={dp} x --microbatches {args.microbatches}.")
+    if args.cp > 1 and args.seq % (2 * args.cp):
+        raise Mistake(f"--seq {args.seq} must divide into 2 x --cp {args.cp} = {2 * args.cp} equal chunks (each "
+                      "context-parallel rank holds one from each end of a sequence): choose a --seq that is a "
+                      f"multiple of {2 * args.cp}, or another --cp.")
+    if args.ckpt:
+        _writable_dir("--ckpt", args.ckpt)
+    if args.metrics:
+        _writable_file("--metrics", args.metrics)
+
+
+def _writable_dir(flag: str, path: str) -> None:
+    """A directory the run makes (with its parents) and writes, or one that exists and is writable."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise Mistake(f"{flag} {path}: a file, not a directory.")
+    existing = os.path.abspath(path)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise Mistake(f"{flag} {path}: {existing} is a file, not a directory.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise Mistake(f"{flag} {path}: {existing} is not writable.")
+
+
+def _writable_file(flag: str, path: str) -> None:
+    """A file the run writes (one rank only: said here by every rank, before connecting)."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise Mistake(f"{flag} {path}: a directory; give a file name.")
+    if not os.path.isdir(parent):
+        raise Mistake(f"{flag} {path}: the directory {parent} does not exist.")
+    if not os.access(path if os.path.exists(path) else parent, os.W_OK):
+        raise Mistake(f"{flag} {path}: {'the file' if os.path.exists(path) else parent} is not writable.")
+
+
 def train(args) -> int:
     import gradsched
     from gradsched.training.checkpoint import checkpoint_dir
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if args.warmup > args.steps:
-        warn(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate never "
-             f"reaches --lr {args.lr:g} (it peaks at {args.lr * args.steps / args.warmup:.3g}).")
-    # the checkpoint's state (none, partial, foreign...) and the data file: said before anything is built
+    # every mistake a rank can find alone, before any connection: the plan against the world, the batch, the
+    # places written, the checkpoint's state (none, partial, foreign...), the model, the data against its vocabulary
+    check_alone(args, int(os.environ["WORLD_SIZE"]))
     resume_from = checkpoint_dir(args.resume) if args.resume else None
-    plan = gradsched.ParallelPlan.from_world(pp=args.pp, cp=args.cp)
-    if args.batch % (plan.dp * args.microbatches):
-        raise Mistake(f"--batch {args.batch} must divide into dp={plan.dp} x --microbatches {args.microbatches}.")
     model, layers = build_model(args.model, args.seed)
+    points = split_points(model, layers, args.pp)
     vocab = model.model.config.vocab_size
     data = (TokenFile(args.data, args.ids, args.seq, vocab, args.batch) if args.data
             else Synthetic(args.seq, vocab, args.seed))
+    if args.warmup > args.steps:
+        warn(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate never "
+             f"reaches --lr {args.lr:g} (it peaks at {args.lr * args.steps / args.warmup:.3g}).")
+    plan = gradsched.ParallelPlan.from_world(pp=args.pp, cp=args.cp)  # connects
     # from_world has set this process's GPU from LOCAL_RANK under NCCL
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
-                                  split_points=split_points(model, layers, args.pp),
+                                  split_points=points,
                                   microbatches=args.microbatches, compiler=args.compiler,
+                                  on_nonfinite=args.on_nonfinite,
                                   **({"reduce_dtype": torch.float32} if args.dtype == "bfloat16" else {}))
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
@@ -256,7 +313,7 @@ def train(args) -> int:
         if reporter:
             row = {"step": step + 1, "loss": float(loss), "lr": args.lr * scale,
                    "grad_norm": None if norm is None else float(norm), "step_s": dt,
-                   "tokens_per_s": args.batch * args.seq / dt}
+                   "tokens_per_s": args.batch * args.seq / dt, "skipped_steps": opt.skipped_steps}
             progress.show(row)
             if metrics:
                 metrics.write(json.dumps(row) + "\n")
@@ -265,7 +322,7 @@ def train(args) -> int:
         gradsched.save(args.ckpt, model, opt, step=args.steps)
     if metrics:
         metrics.close()
-    torch.distributed.destroy_process_group()
+    leave()  # every rank together, rank 0 (the store's host) last: no store call meets a store that is gone
     return 0
 
 

@@ -97,9 +97,9 @@ def test_every_subpackage_says_what_it_owns_and_what_it_may_import():
 
 
 def readme_tree() -> set[str]:
-    """The files the README's Design tree lists (its first code block), as paths."""
-    readme = (ROOT / "README.md").read_text()
-    block = readme[readme.index("## Design"):].split("```", 2)[1]
+    """The files docs/design.md's tree lists (the first code block after "### The tree"), as paths."""
+    text = (ROOT / "docs" / "design.md").read_text()
+    block = text[text.index("### The tree"):].split("```", 2)[1]
     paths, folders = set(), []  # folders: (indent, name) of the open folders
     for line in block.splitlines():
         if not line.strip():
@@ -116,5 +116,5 @@ def readme_tree() -> set[str]:
 def test_the_readme_tree_is_the_package():
     files = {p.relative_to(ROOT).as_posix() for p in [*(ROOT / "gradsched").rglob("*.py"), *(ROOT / "passes").rglob("*.py")]}
     listed = readme_tree()
-    assert not files - listed, f"modules the README's tree does not show: {sorted(files - listed)}"
-    assert not listed - files, f"the README's tree shows files that do not exist: {sorted(listed - files)}"
+    assert not files - listed, f"modules docs/design.md's tree does not show: {sorted(files - listed)}"
+    assert not listed - files, f"docs/design.md's tree shows files that do not exist: {sorted(listed - files)}"

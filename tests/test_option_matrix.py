@@ -15,7 +15,7 @@ slice runs again under Inductor, the default compiler. README.md lists the cases
 import pytest
 
 from gradsched.launch import run_ranks
-from tied_training import Job, compare, gradient_error, rank_jobs, reference
+from tied_training import Job, abs_diff, compare, gradient_error, rank_jobs, reference
 from tiny_gpt import GPTConfig
 
 GRAD_TOL = 1e-5  # relative to the largest gradient; fp32 summation order differs, nothing else
@@ -136,7 +136,7 @@ def assert_like_one_process(job_, ranks):
     for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
         assert sorted(r["named_parameters"]) == sorted(r["params"])
         assert list(r["state_dict"]) == list(ref["state_keys"])
-        assert max((v - ref["params"][k]).abs().max().item() for k, v in r["state_dict"].items()) < TOL
+        assert max(abs_diff(v, ref["params"][k]) for k, v in r["state_dict"].items()) < TOL
 
 
 def expected_placement(job_, r) -> dict:

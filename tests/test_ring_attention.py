@@ -67,7 +67,11 @@ def inputs(dtype, kv_heads, seed, seq=S):
 
 
 def errors(x, ref):
-    e = (x.double() - ref).abs()
+    """Max and mean |x - ref|; both inf if either holds a NaN or an inf."""
+    x, ref = x.double(), ref.double()
+    if not (torch.isfinite(x).all() and torch.isfinite(ref).all()):
+        return math.inf, math.inf
+    e = (x - ref).abs()
     return e.max().item(), e.mean().item()
 
 
@@ -76,6 +80,9 @@ def check_accuracy(got, single, ref, dtype, cp, mean_factor=1.5):
     failures = []
     for name, g, s, r in zip(("out", "dq", "dk", "dv"), got, single, ref):
         (gmax, gmean), (smax, smean) = errors(g, r), errors(s, r)
+        if math.inf in (gmax, smax):  # a NaN or an inf in the ring's, the single device's or the reference
+            failures.append(f"{name}: not finite (max error {gmax:.3g}, single device's {smax:.3g})")
+            continue
         floor = 2 * cp * torch.finfo(dtype).eps * r.abs().max().item()
         if gmax > 2 * smax + floor:
             failures.append(f"{name}: max error {gmax:.3g} > 2 x {smax:.3g} + {floor:.3g}")

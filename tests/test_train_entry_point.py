@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -135,6 +136,102 @@ def test_a_mistake_on_several_processes_is_said_once(tmp_path):
     assert out.strip().splitlines() == [
         "gradsched.train: error: pp=3 x cp=1 does not divide the world size 2: start a multiple of 3 processes, "
         "or change pp/cp."]
+
+
+# ---- on 4 processes: the same one line every time, and a quiet end ---------------------------------
+
+def mistakes_bench():
+    """benchmarks/mistakes.py: its mistakes, and its runs of 4 processes started with torchrun's variables."""
+    import importlib.util
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "mistakes.py"
+    spec = importlib.util.spec_from_file_location("mistakes_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mistake, said", [
+    ("pp_3_on_4", "gradsched.train: error: pp=3 x cp=1 does not divide the world size 4: start a multiple of 3 "
+                  "processes, or change pp/cp."),
+    ("data_ids_beyond_vocab", "holds token id 300, but the model's vocabulary has 256"),
+])
+def test_a_mistake_on_4_processes_is_the_same_one_line_every_time(mistake, said, tmp_path):
+    """Found by every rank before any connection: rank 0 says it, alone, and every rank exits with code 2.
+    (Once found after connecting, a rank leaving first failed its peers' connections: a gloo traceback,
+    and sometimes no line at all.)"""
+    bench = mistakes_bench()
+    bench.prepare(tmp_path, [mistake])
+    args = bench.BASE + [a.format(d=tmp_path) for a in bench.MISTAKES[mistake][1]]
+    lines = set()
+    for _ in range(3):
+        codes, outputs, _ = bench.run_once(args, nproc=4, timeout_s=240)
+        assert codes == [2, 2, 2, 2] and bench.one_line(outputs), (codes, [out[-1500:] for out in outputs])
+        lines.add(bench.one_line(outputs))
+    assert len(lines) == 1 and said in lines.pop()
+
+
+def test_every_mistake_a_rank_can_find_alone_is_found_before_connecting(monkeypatch, capsys, tmp_path):
+    """Rank 0 of a world of 4, alone (no peer started, no connection allowed): each of the benchmark's mistakes
+    but the one that needs the checkpoint's collective check ends in its one line and exit code 2."""
+    import torch.distributed as dist
+    from gradsched.launch import free_port
+    from gradsched.train import main
+
+    def connect(*args, **kwargs):
+        raise AssertionError("init_process_group: connecting before every rank-local check was done")
+    monkeypatch.setattr(dist, "init_process_group", connect)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    bench = mistakes_bench()
+    names = [n for n in bench.MISTAKES if n != "resume_other_model"]
+    bench.prepare(tmp_path, names)
+    for name in names:
+        try:
+            code = main(bench.BASE + [a.format(d=tmp_path) for a in bench.MISTAKES[name][1]])
+        except SystemExit as e:  # argparse's
+            code = e.code
+        out = capsys.readouterr()
+        lines = (out.out + out.err).splitlines()
+        assert code == 2 and len(lines) == 1 and lines[0].startswith("gradsched.train: error: "), (name, lines)
+
+
+def test_a_successful_run_on_4_processes_prints_no_cpp_stack():
+    """Rank 0 hosts the job's store: a rank still calling it (its watchdog) after rank 0 had exited logged
+    TCPStore's C++ error and stack. The ranks now leave together, rank 0 last."""
+    code, out = run([sys.executable, *TRAIN, "--nproc-per-node", "4", "--pp", "2", "--steps", "2", "--warmup", "1"],
+                    timeout=300)
+    assert code == 0 and "step 2/2 [" in out, out[-3000:]
+    for noise in ("frame #", "recvValue failed", "Broken pipe", "Connection reset", "Traceback"):
+        assert noise not in out, out[-3000:]
+
+
+LATE_RANK = """
+import datetime, os, sys, time
+import torch, torch.distributed as dist
+from gradsched.launch import leave
+from gradsched.sync.watchdog import JOURNAL
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+with JOURNAL.entry("an all-reduce", "collective", group=dist.group.WORLD, op="all_reduce"):
+    dist.all_reduce(torch.ones(1))  # the watchdog runs from here on
+time.sleep(1.0 + 2.0 * dist.get_rank())  # rank 1 ends 2 s after rank 0; its watchdog calls the store meanwhile
+t = time.monotonic()
+leave()
+print(f"rank {os.environ['RANK']} left after {time.monotonic() - t:.1f} s", flush=True)
+"""
+
+
+def test_rank_0_the_stores_host_leaves_last():
+    """leave(): rank 0 waits for the others before its process (and the store in it) ends, and the watchdog is
+    stopped first. With destroy_process_group in its place, rank 1's watchdog logged TCPStore's 'Broken pipe'
+    and its C++ stack at every beat of its last 2 s."""
+    codes, outputs, _ = mistakes_bench().run_once([], nproc=2, timeout_s=120, command=("-c", LATE_RANK))
+    assert codes == [0, 0], outputs
+    assert not any("frame #" in out or "Broken pipe" in out or "failed" in out for out in outputs), outputs
+    waited = float(outputs[0].split("left after ")[1].split()[0])
+    assert waited >= 1.5, outputs  # rank 0 waited for rank 1
 
 
 def rank_process(launcher_pid: int, rank: int) -> int:

@@ -98,7 +98,11 @@ def block_inputs(lq, lk, kv_heads, seed):
 
 
 def mean_err(x, ref):
-    return (x.double() - ref).abs().mean().item()
+    """Mean |x - ref|; inf if either holds a NaN or an inf."""
+    x, ref = x.double(), ref.double()
+    if not (torch.isfinite(x).all() and torch.isfinite(ref).all()):
+        return math.inf
+    return (x - ref).abs().mean().item()
 
 
 SHAPES = {"causal-square": (64, 64, True, 0), "causal-bottom-right": (40, 72, True, 0),

@@ -7,7 +7,10 @@ before the first collective, on every rank) -> runtime (GradSync, which only run
 finds which parameters are one weight; report prints the plan per rank; compiled_code reads
 what Inductor's output code does, in order. agreement opens every compiled graph's collectives
 with the peers' agreement (each run); param_shards holds the parameters as shards under
-shard="params" (laid out when the forward graph compiles).
+shard="params" (laid out when the forward graph compiles). When a rank misbehaves: watchdog (the
+journal and heartbeat) with peers and stuck (who the job waits for), replicas (every stage's replicas
+start equal), boundaries (pipeline shapes agreed before the first send) and nonfinite (a non-finite
+step is never applied).
 
 May import: gradsched.passes, gradsched.cp (the report names CP calls) and the foundation
 modules (plan, options, user_errors). Never training or the public API.

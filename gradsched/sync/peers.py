@@ -94,9 +94,10 @@ def state(j, r: int, st: dict | None) -> str:
         return "cannot be asked: the job's store, hosted by rank 0's process, does not answer (rank 0 is gone)"
     if st.get("failed"):
         return f"failed: {st['failed']}"
-    opened = st.get("open")
-    # a status is as old as the last heartbeat (INTERVAL_S): where the rank was then, maybe steps ago
-    inside = f"; at its last heartbeat it was in '{opened['what']}'" if opened else ""
+    opened, last = st.get("open"), st.get("last")
+    # a status is as old as its last publication: a beat (INTERVAL_S) at most, and a step's end
+    inside = (f"; at its last heartbeat it was in '{opened['what']}'" if opened else
+              f"; its last entry, '{last['what']}', had {last['state']}" if last else "")
     if process_gone(st):
         return f"is gone (process {st['pid']} on {st['host']} exited{inside})"
     silent = silent_for(j, r)
@@ -149,3 +150,36 @@ def report(j, ranks=None, since: float | None = None) -> str:
            f"rank {r}{where_suffix((now[r] or {}).get('where'))} {state(j, r, now[r])}" for r in ranks
            if r in posted or faulty(j, r, now[r])]
     return "; ".join(bad)
+
+
+STORE_HOST = "gradsched/store_host"  # {"pid", "host_id"} of the process hosting the store, when it is rank 0's
+
+
+class HostWatchedStore:
+    """A store connection of the watchdog's that refuses every call, without making it, once the process hosting
+    the store (rank 0's, which says so under STORE_HOST) is known gone on this host: a call to a store whose host
+    has exited fails anyway, after TCPStore has logged its C++ error and stack ('recvValue failed ... Connection
+    reset by peer', 'frame #0: ...'), at every beat and in every report, until this rank ends. The connections of
+    one process group share `known`."""
+
+    def __init__(self, store, known: dict):
+        self._store, self.known = store, known
+
+    def learn_host(self) -> None:
+        if "host" not in self.known and self._store.check([STORE_HOST]):
+            self.known["host"] = json.loads(self._store.get(STORE_HOST))
+
+    def host_gone(self) -> bool:
+        return "host" in self.known and process_gone(self.known["host"])
+
+    def __getattr__(self, name):
+        attr = getattr(self._store, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            if self.host_gone():
+                raise dist.DistNetworkError("the job's store does not answer: the process hosting it (rank 0's) "
+                                            "has exited")
+            return attr(*args, **kwargs)
+        return call

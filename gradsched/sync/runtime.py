@@ -34,6 +34,7 @@ from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
 from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_forward, build_stage
 from gradsched.sync.stage_setup import StageSetup, process_group
+from gradsched.sync.nonfinite import StepFlags
 from gradsched.sync.watchdog import JOURNAL
 
 
@@ -52,6 +53,7 @@ class GradSync:
         self.flush_seconds: list[float] = []  # wall time of each flush graph run
         self.attention_reports: list = []  # ContextParallelReport of each compiled forward (cp > 1)
         self.param_shards = None  # shard="params": where the parameters live (gradsched.sync.param_shards)
+        self.nonfinite = StepFlags()  # what went non-finite this step, on the device (gradsched.sync.nonfinite)
 
     @contextlib.contextmanager
     def step_boundary(self, last: bool):

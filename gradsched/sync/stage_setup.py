@@ -17,6 +17,7 @@ from gradsched.options import SyncOptions
 from gradsched.plan import ParallelPlan
 from gradsched.sync.sync_plan import Group
 from gradsched.sync.ties import Tie
+from gradsched.sync.watchdog import register_group
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,10 @@ def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), 
     rank = plan.rank
     all_ties = sorted(ties, key=lambda t: t.key)
     groups = {t.key: plan.tie_group(t.stages) for t in all_ties}  # every rank, every tie, one order
+    if dist.is_initialized():  # the watchdog publishes what this rank has issued on each (gradsched.sync.stuck)
+        for pg in [plan.group or dist.group.WORLD, *(plan.process_group(k) for k in ("grad", "dp", "cp", "pp")),
+                   *(groups[t.key][1] for t in all_ties)]:
+            register_group(pg)
     mine = {t.name_on(stage): t for t in all_ties if t.name_on(stage)}
     return StageSetup(
         stage=stage, rank=rank, where=plan.describe(),

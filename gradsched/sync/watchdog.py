@@ -18,16 +18,17 @@ seen changing on this rank's own monotonic clock, never by comparing two hosts' 
   once its process is gone or its beat has not moved for peers.DEAD_AFTER_S (a killed or SIGSTOPped rank
   cannot say so itself). A rank still inside an entry it began before that, GRACE_S later, and the
   peer still silent, ends with a report naming it: gloo would wait up to its timeout (30 minutes).
-- A collective this rank has waited in for `timeout_s` while every peer of its group is alive and
-  waiting in a collective of the same group (none progresses: a collective issued on some ranks
-  only) is a stall: the watchdog names every peer's position and its group's collective count (a
-  rank whose count differs issued a collective the others did not), posts it, prints it and ends
-  the process (exit code 3; rank 0 last), since a collective blocked inside gloo cannot be
-  interrupted from Python. The ranks blocked on it then fail and name it.
+- A rank that has issued nothing for `timeout_s` and waits for an alive peer that issues nothing
+  either (a loop, a sleep, a straggler: gradsched.sync.stuck, from every rank's groups' sequence
+  numbers) names that peer with its position and Python stack and ends; so does the peer. A
+  collective issued on some ranks only (every rank of the group issued as many, none progresses)
+  is a stall: the watchdog names every peer's position and ends. Either way exit code 3 (rank 0
+  last), since a collective blocked inside gloo cannot be interrupted from Python; the ranks
+  blocked on it then fail and name it.
 
-A phase (compute, compiled graphs) is never timed out: only eager collectives whose peers all
-wait are. The watchdog's store operations are no collectives and time out after STORE_TIMEOUT_S,
-so it cannot hang a healthy run; a new default process group starts it anew.
+Compiling (Dynamo's callbacks, entries of kind "compile") and writing a checkpoint ("io") are given
+`compile_timeout_s` instead. The watchdog's store operations are no collectives and time out after
+STORE_TIMEOUT_S, so it cannot hang a healthy run; a new default process group starts it anew.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch.distributed as dist
 
-from gradsched.sync import peers
+from gradsched.sync import peers, stuck
 from gradsched.sync.peers import INTERVAL_S
 
 GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an entry waits for its own error
@@ -61,7 +62,7 @@ class CollectiveFault(RuntimeError):
 class Entry:
     seq: int
     what: str  # e.g. "the optimizer's parameter all-gather, bucket 1"
-    kind: str  # "collective" (eager, timed out when every peer waits too) or "phase"
+    kind: str  # "collective" (eager), "phase", or "compile" / "io" (given compile_timeout_s: gradsched.sync.stuck)
     group: tuple[int, ...] = ()  # global ranks
     op: str = ""
     numel: int = 0
@@ -83,7 +84,10 @@ class _Journal:
         self.count = 0
         self.open: list[Entry] = []
         self.groups: dict[tuple, object] = {}  # global ranks -> ProcessGroup (for its sequence number)
+        self.pgs: dict[str, tuple] = {}  # group name -> (global ranks, ProcessGroup): every group this rank is in
         self.timeout_s = 30.0
+        self.compile_timeout_s = 600.0  # for entries of kind "compile" and "io" (gradsched.sync.stuck)
+        self.compiling = 0  # Dynamo compiles under way (its callbacks: its trace too, before any backend)
         self.where = ""  # "rank 1/4 (pp=0/2, dp=1/2, cp=0/1)"
         self.on_fault = []  # callbacks(message) before the watchdog ends this process
         self.lock = threading.Lock()  # over `failures` and `seen`, shared with the watchdog thread
@@ -99,6 +103,11 @@ class _Journal:
         self.fetched = 0
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its last beat, when this rank saw it change)
         self.gone: set[int] = set()  # the neighbour this rank posted gone
+        self.last: Entry | None = None  # the entry closed last
+        self.main_store = None  # the main thread's own store connection (_publish_now)
+        self.ending = False  # the watchdog is writing its report and will end the process
+        self.counts, self.counts_moved = None, time.monotonic()  # this rank's groups' sequence numbers, and
+        # when they last moved (this rank's clock): a rank that issues nothing for the fault timeout is judged
 
     # ---- recording ------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -106,6 +115,7 @@ class _Journal:
         ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
         if group is not None:
             self.groups[ranks] = group
+            register_group(group)
         if not self.open:
             self.stalled = None  # a new step: an error this rank posted before was caught and survived
         self.count += 1
@@ -119,6 +129,8 @@ class _Journal:
             e.state = "completed"
         except BaseException as exc:  # noqa: BLE001 - named and re-raised
             e.state = "failed"
+            if self.ending:  # the watchdog is ending this process with its own report: no second one
+                time.sleep(4 * STORE_TIMEOUT_S)
             if isinstance(exc, CollectiveFault) or isinstance(exc.__cause__, CollectiveFault):
                 raise  # named already
             if is_comm_error(exc):
@@ -129,6 +141,9 @@ class _Journal:
         finally:
             e.ended = time.monotonic()
             self.open.remove(e)
+            self.last = e
+            if not self.open and kind != "collective":
+                _publish_now(self)  # a rank that exits right after says where it was, not a beat ago
 
     def trace(self) -> str:
         return "\n".join("    " + e.line() for e in list(self.entries)[-KEPT:])
@@ -147,54 +162,38 @@ class _Journal:
                 f"'{waiting.what}'{f' over ranks {list(waiting.group)}' if waiting.group else ''} when it "
                 f"failed{cause}. The peers: {why}. This rank's last entries:\n{self.trace()}")
 
-    def stall(self, waiting: Entry) -> str | None:
-        """The stall report, when every peer of the group is alive and waits in a collective of the group too."""
-        me = dist.get_rank()
-        st = peers.statuses(self, [r for r in waiting.group if r != me])
-        for r, s in st.items():  # a peer that found the stall first has posted it, still waiting: it counts
-            opened = (s or {}).get("open") or {}
-            if s is None or s.get("store_gone") or peers.gone(self, r, s) or opened.get("kind") != "collective" or \
-                    tuple(opened.get("group") or ()) != waiting.group:
-                return None
-        seqs = {me: _seq(self.groups.get(waiting.group))}
-        seqs.update({r: s["seqs"].get(str(list(waiting.group))) for r, s in st.items()})
-        lines = [f"rank {me}{peers.where_suffix(self.where)}: #{waiting.seq} '{waiting.what}', collective {seqs[me]} of the group"]
-        lines += [f"rank {r}{peers.where_suffix(s['where'])}: #{s['open']['seq']} '{s['open']['what']}', collective {seqs[r]} "
-                  "of the group" for r, s in st.items()]
-        counts = sorted(set(seqs.values()), key=lambda n: -list(seqs.values()).count(n))
-        if len(counts) > 1:
-            odd = [r for r, n in seqs.items() if n != counts[0]]
-            verdict = (f"rank(s) {odd} issued another number of collectives on this group than the rest: a collective "
-                       "issued (or dropped) there alone")
-        else:
-            verdict = (f"each rank is in its collective number {counts[0]} on this group, and they are not the same "
-                       "operation on every rank: some rank issued a collective outside gradsched's plan instead")
-        return (f"{self.where or f'rank {me}'}: the collectives of ranks {list(waiting.group)} have not progressed "
-                f"for {time.monotonic() - waiting.started:.0f} s (fault_timeout_s={self.timeout_s:g}), every rank "
-                f"alive and waiting; {verdict}.\n  " + "\n  ".join(lines) +
-                f"\nThis rank's last entries:\n{self.trace()}")
-
     def status(self) -> dict:
-        opened = list(self.open)
+        """What peers read of this rank. Ages are durations on this rank's clock, measured as it publishes."""
+        opened, last, now = list(self.open), self.last, time.monotonic()
         e = opened[-1] if opened else None
         return {"beat": self.beat, "pid": os.getpid(), "host": socket.gethostname(), "host_id": peers.HOST_ID,
                 "where": self.where, "open": asdict(e) if e is not None else None, "failed": self.stalled,
-                "seqs": {str(list(k)): _seq(pg) for k, pg in list(self.groups.items())}}
-
-
-def _seq(pg) -> int | None:
-    try:
-        return pg._get_sequence_number_for_group()
-    except Exception:  # noqa: BLE001
-        return None
+                "open_age_s": now - e.started if e is not None else None,
+                "patient": self.compiling > 0 or any(o.kind in stuck.PATIENT_KINDS for o in opened),
+                "last": {"what": last.what, "state": last.state} if last is not None else None,
+                "last_age_s": now - (last.ended or now) if last is not None else None,
+                "counts": self.counts or [], "idle_s": now - self.counts_moved,
+                "seqs": {str(list(k)): stuck.sequence_number(pg) for k, pg in list(self.groups.items())}}
 
 
 JOURNAL = _Journal()
 
 
-def configure(where: str, timeout_s: float) -> None:
-    """Name this rank in reports ('rank 1/4 (pp=0/2, dp=1/2, cp=0/1)') and set the stall timeout."""
+def configure(where: str, timeout_s: float, compile_timeout_s: float | None = None) -> None:
+    """Name this rank in reports ('rank 1/4 (pp=0/2, dp=1/2, cp=0/1)') and set the stall timeouts."""
     JOURNAL.where, JOURNAL.timeout_s = where, timeout_s
+    if compile_timeout_s is not None:
+        JOURNAL.compile_timeout_s = compile_timeout_s
+    stuck.watch_compiles(JOURNAL)
+
+
+def register_group(pg) -> None:
+    """A process group this rank is in: its sequence number (what the rank has issued there) is published
+    with every beat, so that a rank everybody waits for can be found (gradsched.sync.stuck)."""
+    try:
+        JOURNAL.pgs[pg.group_name] = (tuple(dist.get_process_group_ranks(pg)), pg)
+    except Exception:  # noqa: BLE001 - a group without a name or ranks (fake, torn down): not watched
+        pass
 
 
 def post_failure(exc: BaseException) -> None:
@@ -215,11 +214,31 @@ def _post(j: _Journal, why: str) -> None:
 
 
 def is_comm_error(exc: BaseException) -> bool:
-    """An error of the transport (a peer is gone, a collective timed out), not of this rank's own code."""
+    """An error of the transport (a peer is gone, a collective timed out), not of this rank's own code: the
+    error itself or any in its chain (pipelining and Dynamo wrap the transport's error in their own)."""
     types = tuple(t for t in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if t)
-    text = str(exc)
-    return isinstance(exc, types) or any(s in text for s in (
-        "Connection closed by peer", "Connection reset by peer", "gloo/transport"))
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if isinstance(exc, types) or any(s in text for s in (
+                "Connection closed by peer", "Connection reset by peer", "gloo/transport", "Broken pipe")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _publish_now(j: _Journal) -> None:
+    """Publish from the main thread, on its own store connection (one store write per step: a step's
+    outermost phase closing)."""
+    if j.store is None or not dist.is_initialized():
+        return
+    with contextlib.suppress(Exception):
+        if j.main_store is None:
+            j.main_store = dist.distributed_c10d._get_default_store().clone()
+            j.main_store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+        j.beat += 1
+        j.main_store.set(f"gradsched/status/{dist.get_rank()}", json.dumps(j.status()))
 
 
 def _publish(j: _Journal) -> None:
@@ -235,13 +254,24 @@ def _start(j: _Journal) -> None:
     world = dist.group.WORLD
     if j.world is world and j.thread is not None:
         return
+    if getattr(j, "stopped_for", None) is world:  # stopped for good under this group (stop(), leave())
+        return
     j._reset(world)  # the first entry under this default process group: the old thread sees it and ends
     try:
         store = dist.distributed_c10d._get_default_store().clone()  # its own connection: thread-safe use
         store.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
     except Exception:  # noqa: BLE001 - a store without clone: no watchdog, errors stay gloo's
         return
-    j.store = store
+    j.store = peers.HostWatchedStore(store, {})
+    if getattr(j, "main_store", False) is None:  # the main thread's connection (_publish_now): watched alike
+        with contextlib.suppress(Exception):
+            main = dist.distributed_c10d._get_default_store().clone()
+            main.set_timeout(datetime.timedelta(seconds=STORE_TIMEOUT_S))
+            j.main_store = peers.HostWatchedStore(main, j.store.known)
+    if dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        with contextlib.suppress(Exception):  # env:// without torchrun's agent: rank 0's process hosts the store
+            store.set(peers.STORE_HOST, json.dumps({"pid": os.getpid(), "host_id": peers.HOST_ID}))
+    j.wake = threading.Event()  # set by _stop: the thread leaves its sleep at once
     j.thread = threading.Thread(target=_watch, args=(j, world), name="gradsched-watchdog", daemon=True)
     j.thread.start()
     if not j.stopper:
@@ -250,35 +280,51 @@ def _start(j: _Journal) -> None:
 
 
 def _stop(j: _Journal) -> None:
-    """At exit, end the thread before the interpreter does: a daemon thread still inside a store call while
-    the process tears the store down aborts it ('terminate called without an active exception', seen once)."""
-    thread, j.world = j.thread, None
-    if thread is not None:
+    """End the thread, for good under this process group, and drop its store connections: at exit, before the
+    interpreter tears the store down under a thread inside a store call ('terminate called without an active
+    exception', seen once); and before a rank leaves (stop(), gradsched.launch.leave)."""
+    thread, world, j.world = j.thread, j.world, None
+    if world is not None:
+        j.stopped_for = world
+    wake = getattr(j, "wake", None)
+    if wake is not None:
+        wake.set()
+    if thread is not None and thread is not threading.current_thread():
         thread.join(timeout=STORE_TIMEOUT_S + 1.0)
     j.store = None
+    if hasattr(j, "main_store"):
+        j.main_store = None
 
 
 def _watch(j: _Journal, world) -> None:
+    wake = getattr(j, "wake", None) or threading.Event()
     while dist.is_initialized() and j.world is world:
         try:
+            if isinstance(j.store, peers.HostWatchedStore):
+                j.store.learn_host()
             _check(j)
         except Exception:  # noqa: BLE001 - the watchdog never takes a healthy run down (a group torn down, ...)
             pass
-        time.sleep(INTERVAL_S)
+        if wake.wait(INTERVAL_S):  # _stop: no further store call
+            return
 
 
 def _check(j: _Journal) -> None:
+    stuck.track_counts(j)
     _publish(j)
+    stuck.answer_stack_request(j, dist.get_rank(), _end)
     _watch_neighbour(j)
     peers.fetch_failures(j)
     opened = list(j.open)  # the main thread opens and closes entries meanwhile
     if opened and _blocked_on_the_gone(j, opened[0]):
         return
+    if time.monotonic() - j.counts_moved > j.timeout_s and stuck.name_the_stuck(j, dist.get_rank(), _end):
+        return
     waiting = opened[-1] if opened else None
     if waiting is None or waiting.kind != "collective" or not waiting.group or \
             time.monotonic() - waiting.started <= j.timeout_s:
         return
-    report = j.stall(waiting)
+    report = stuck.stall(j, waiting, dist.get_rank())
     if report is not None and waiting.state == "started" and waiting in j.open:  # not completed meanwhile
         _end(j, report)
 
@@ -321,10 +367,16 @@ def _blocked_on_the_gone(j: _Journal, outer: Entry) -> bool:
     return True
 
 
-def _end(j: _Journal, report: str) -> None:
-    """Post the report, print it, hand it to the hooks, and end the process (rank 0, the store's host, last)."""
-    _post(j, report.split("This rank's last entries:")[0].strip())
-    print(f"gradsched: {report}", file=sys.stderr, flush=True)
+def _end(j: _Journal, report: str, post_all: bool | None = True) -> None:
+    """Post the report (up to its trace; its first line only with post_all=False; nothing with None), print it
+    with its first line last (a log's last line says why), hand it to the hooks, and end the process (rank 0,
+    the store's host, last)."""
+    summary, _, details = report.partition("\n")
+    if post_all is not None:
+        _post(j, report.split("This rank's last entries:")[0].strip() if post_all else summary.strip())
+    if details:
+        print(details, file=sys.stderr, flush=True)
+    print(f"gradsched: {summary}", file=sys.stderr, flush=True)
     for callback in j.on_fault:
         with contextlib.suppress(Exception):
             callback(report)
@@ -336,3 +388,10 @@ def _end(j: _Journal, report: str) -> None:
 def peers_report(ranks=None, since: float | None = None) -> str:
     """The peers that failed, are gone or never reported (gradsched.sync.peers.report), for errors raised elsewhere."""
     return peers.report(JOURNAL, ranks, since)
+
+
+def stop() -> None:
+    """Stop this rank's watchdog now (its thread joined, its store connections closed) and for the rest of the
+    current process group: a rank about to print its last line, or to leave (gradsched.launch.leave), makes no
+    store call after it."""
+    _stop(JOURNAL)

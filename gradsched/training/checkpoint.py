@@ -58,7 +58,7 @@ __all__ = ["CheckpointError", "checkpoint_dir", "load", "save"]
 def _peers_named(doing: str, path: str):
     """A peer that dies while this rank saves or loads: a CheckpointError naming it (gradsched.sync.watchdog)."""
     try:
-        with JOURNAL.entry(f"{doing} the checkpoint at {path!r}"):
+        with JOURNAL.entry(f"{doing} the checkpoint at {path!r}", "io"):
             yield
     except CollectiveFault as e:
         raise CheckpointError(f"{doing} the checkpoint at {path!r} failed: {e}") from e

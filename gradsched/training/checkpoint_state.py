@@ -40,7 +40,7 @@ def dcp_call(doing: str, where: str, fn):
     """fn() (a DCP call), with DCP's failures as a CheckpointError naming `where`: DCP raises
     CheckpointException, a BaseException that `except Exception` misses, on every rank alike."""
     try:
-        with JOURNAL.entry(f"{doing} the checkpoint at {where!r} (DCP's collectives)"):
+        with JOURNAL.entry(f"{doing} the checkpoint at {where!r} (DCP's collectives)", "io"):
             return fn()
     except CheckpointException as e:
         why = "; ".join(f"rank {r}: {type(exc).__name__}: {_first_line(exc)}"

@@ -18,9 +18,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from gradsched.sync.nonfinite import agree
 from gradsched.sync.runtime import find_sync
-from gradsched.sync.stage_setup import process_group
-from gradsched.sync.watchdog import JOURNAL
 from gradsched.training.shards import owned_pieces
 
 
@@ -47,10 +46,10 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
         for g in grads:
             local = torch.maximum(local, g.double().abs().max()) if g.numel() else local
         op = dist.ReduceOp.MAX
-    if len(setup.all_ranks.ranks) > 1:
-        pg = process_group(setup.all_ranks)
-        with JOURNAL.entry("clip_grad_norm_'s global norm", "collective", pg, "all_reduce", 1, local.dtype):
-            dist.all_reduce(local, op=op, group=pg)
+    # one reduction for the norm and the step's non-finite flags: a non-finite gradient makes this
+    # rank's partial norm non-finite, so it needs no pass of its own (gradsched.sync.nonfinite)
+    local = agree(sync, local, op, "clip_grad_norm_'s global norm and the step's non-finite flags",
+                  grads_bad=~torch.isfinite(local))
     total = (local.sqrt() if norm_type == 2.0 else local).float()
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     for g in _scaled_tensors(sync, plan):

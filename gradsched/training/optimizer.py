@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from gradsched.training.param_groups import options_by_name
 from gradsched.training.shards import owned_pieces
+from gradsched.sync import nonfinite
 from gradsched.sync.runtime import find_sync
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
@@ -61,6 +62,7 @@ class DistributedOptimizer:
         self.pieces = []  # this rank's pieces of the parameters (gradsched.training.shards.Piece), in layout order
         self.masters: list[torch.nn.Parameter] = []  # their fp32 master copies, in the same order
         self.restore_from = None  # restore_from(optimizer, sync): gradsched.load sets it, the build calls it
+        self.skipped_steps = 0  # steps not applied: their gradients went non-finite (on_nonfinite="skip")
 
     @property
     def sync(self):
@@ -107,24 +109,34 @@ class DistributedOptimizer:
             restore(self, sync)
 
     @torch.no_grad()
-    def step(self, lr_scale: float | None = None):
+    def step(self, lr_scale: float | None = None) -> bool:
         """One optimizer step over this step's reduced gradients. lr_scale: a schedule's factor on every
-        group's learning rate (the rate it was built with), e.g. warmup and cosine decay."""
+        group's learning rate (the rate it was built with), e.g. warmup and cosine decay.
+
+        A step whose loss or gradients went non-finite on any rank is never applied (gradsched.sync.nonfinite):
+        NonFiniteError on every rank, or with on_nonfinite="skip" the step is dropped on every rank, the
+        optimizer's state untouched. Returns whether the step was applied."""
         if self.optimizer is None:
             self.build()
+        sync = self.sync
+        plan = sync.sync_plan
+        reduced = sync.reduced()
+        if plan.shard and len(reduced) != len(plan.layout.buckets):
+            raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
+                               "step's backward passes (and flush() under pipeline parallelism) first.")
+        if not nonfinite.check(sync, sync.options.on_nonfinite):
+            self.skipped_steps += 1
+            sync.clear_results()
+            for p in sync.params.values():
+                p.grad = None
+            return False
         if lr_scale is not None:
             for g in self.optimizer.param_groups:
                 g["lr"] = g.setdefault("base_lr", g["lr"]) * lr_scale
-        sync = self.sync
-        plan = sync.sync_plan
         if not plan.shard:
             self.optimizer.step()
             sync.clear_results()
-            return
-        reduced = sync.reduced()
-        if len(reduced) != len(plan.layout.buckets):
-            raise RuntimeError("DistributedOptimizer.step() before this step's gradients were reduced: run the "
-                               "step's backward passes (and flush() under pipeline parallelism) first.")
+            return True
         for pc, master in zip(self.pieces, self.masters):
             master.grad = reduced[pc.bucket][pc.at:pc.at + pc.numel].float()
         self.optimizer.step()
@@ -135,6 +147,7 @@ class DistributedOptimizer:
         else:
             self._gather(sync)
         sync.clear_results()
+        return True
 
     def _gather(self, sync) -> None:
         """Write the stepped masters back into every rank's parameters: per bucket, this rank's shard

@@ -96,7 +96,8 @@ class Progress:
         done = row["step"]
         bar = "#" * int(20 * done / self.total)
         line = (f"step {done}/{self.total} [{bar:<20}] loss {row['loss']:.4f} lr {row['lr']:.2e} "
-                f"{row['tokens_per_s']:,.0f} tok/s {row['step_s'] * 1000:.0f} ms/step")
+                f"{row['tokens_per_s']:,.0f} tok/s {row['step_s'] * 1000:.0f} ms/step"
+                + (f" ({row['skipped_steps']} skipped: non-finite)" if row.get("skipped_steps") else ""))
         if self.tty:
             self.out.write("\r" + line + ("\n" if done == self.total else ""))
         elif done % self.every == 0 or done == self.total:

@@ -1,0 +1,127 @@
+"""Per-rank bodies of tests/test_misbehaving_ranks.py: one rank misbehaves, the others must name it."""
+import time
+
+import torch
+
+import gradsched
+from gradsched.sync.watchdog import JOURNAL
+from tied_training import Job, batch, build_model, optimizer_class, optimizer_kwargs, reduced_gradients
+from tiny_gpt import lm_loss
+
+TIMEOUT_S = 3.0  # fault_timeout_s in these tests
+
+
+def _dp2(job: Job):
+    model, _ = build_model(job)
+    model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2), loss_fn=lm_loss,
+                                  **job.options)
+    return model, gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+
+
+def stuck_rank(rank, world, where: str):
+    """pp1 x dp2: rank 1 loops forever in Python between its second train_step and opt.step ("python"), or is
+    late by twice the fault timeout inside the optimizer's all-gather ("late")."""
+    import gradsched.training.optimizer as optimizer
+    job = Job(pp=1, dp=2, steps=2, options={"compiler": "eager", "fault_timeout_s": TIMEOUT_S})
+    model, opt = _dp2(job)
+    if rank == 1 and where == "late":
+        gather = optimizer._all_gather
+
+        def late(out, x, group):
+            time.sleep(2 * TIMEOUT_S + 5)
+            return gather(out, x, group)
+        optimizer._all_gather = late
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        model.train_step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        if rank == 1 and where == "python" and step == 1:
+            while True:  # the user's code, stuck
+                pass
+        opt.step()
+        opt.zero_grad()
+    return "finished"
+
+
+def patient_peers(rank, world):
+    """pp1 x dp2: rank 1 is late by half the fault timeout in the optimizer's all-gather, then spends the
+    fault timeout and a half inside a journal entry of kind "compile" (as while compiling) before its next collective.
+    Neither is a fault. Returns the first step's reduced gradients and the parameters after 2 steps."""
+    import gradsched.training.optimizer as optimizer
+    job = Job(pp=1, dp=2, steps=2, options={"compiler": "eager", "fault_timeout_s": TIMEOUT_S})
+    model, opt = _dp2(job)
+    if rank == 1:
+        gather, calls = optimizer._all_gather, []
+
+        def late(out, x, group):
+            if not calls:
+                calls.append(1)
+                time.sleep(TIMEOUT_S / 2)
+            return gather(out, x, group)
+        optimizer._all_gather = late
+    grads = None
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        model.train_step(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        if step == 0:
+            grads = reduced_gradients(model.grad_sync)
+        if rank == 1 and step == 1:
+            with JOURNAL.entry("compiling (a stand-in)", "compile"):
+                time.sleep(TIMEOUT_S + 1.5)
+        opt.step()
+        opt.zero_grad()
+    sync = model.grad_sync
+    return {"grads": grads, "params": {n: v.clone() for n, v in sync.full_parameters().items()}, "ties": [],
+            "rank": rank, "stage": 0, "dp_idx": rank}
+
+
+def _nan_in_the_first_activation_at_step(step_index: int):
+    """Patch torch's PipelineStage (under gradsched's): at that step, one NaN in the first activation sent."""
+    from torch.distributed.pipelining.stage import PipelineStage
+    forward, state = PipelineStage.forward_one_chunk, {"calls": 0}
+
+    def nan_forward(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        state["calls"] += 1
+        if state.get("armed"):
+            state["armed"] = False
+            with torch.no_grad():
+                out.view(-1)[0] = float("nan")
+        return out
+    PipelineStage.forward_one_chunk = nan_forward
+    return state
+
+
+def pipeline_misbehaviour(rank, world):
+    """pp2 x dp1, three jobs in one set of processes (each ends on both ranks together):
+    "shape": rank 0's first batch is 4 tokens shorter (refused at setup, rank 0 named as the sender);
+    "raise": rank 0 (stage 0) sends one NaN at step 2 (NonFiniteError on both);
+    "skip": the same with on_nonfinite="skip" (both skip step 2).
+    Returns {job: the error text, or the skipped steps and parameters}."""
+    out = {}
+    state = _nan_in_the_first_activation_at_step(1) if rank == 0 else {}
+    for name in ("shape", "raise", "skip"):
+        torch._dynamo.reset()
+        options = {"compiler": "eager", "fault_timeout_s": 30.0}
+        if name == "skip":
+            options["on_nonfinite"] = "skip"
+        job = Job(pp=2, dp=1, steps=3, options=options)
+        model, split_points = build_model(job)
+        model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=2, dp=1), loss_fn=lm_loss,
+                                      split_points=split_points, **options)
+        opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+        try:
+            for step in range(job.steps):
+                x, y = batch(job, step)
+                if name == "shape" and rank == 0:
+                    x, y = x[:, :-4], y[:, :-4]
+                state["armed"] = name != "shape" and step == 1
+                model.train_step(x, y)
+                opt.step()
+                opt.zero_grad()
+            sync = model.grad_sync
+            out[name] = {"skipped": opt.skipped_steps, "rank": rank, "stage": rank, "dp_idx": 0,
+                         "params": {n: v.clone() for n, v in sync.full_parameters().items()},
+                         "ties": [t.members for t in sync.ties.values()]}
+        except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
+            out[name] = f"{type(e).__name__}: {e}"
+    return out

@@ -1,0 +1,197 @@
+"""When one rank misbehaves: never silently wrong, never a silent hang, and the right rank named.
+
+Multi-rank runs (gloo, 2 ranks) against one process; the pure parts (who is waited for, where values went
+non-finite first, which boundary disagrees) in one process from fabricated statuses.
+"""
+import json
+import time
+
+import pytest
+import torch
+
+from gradsched.launch import run_ranks
+from gradsched.sync import nonfinite, peers, stuck
+from gradsched.sync.boundaries import mismatch
+from gradsched.sync.watchdog import is_comm_error
+from misbehaving_fns import TIMEOUT_S, patient_peers, pipeline_misbehaviour, stuck_rank
+from tied_training import Job, batch, build_model, compare, gradient_error, optimizer_class, optimizer_kwargs, reference
+from tiny_gpt import lm_loss
+
+TOL = 1e-5
+
+
+# ---- alive but stuck, and stragglers ----------------------------------------------------------
+
+def test_a_rank_stuck_in_python_is_named_with_its_stack_and_both_end():
+    t0 = time.monotonic()
+    peer, stuck_one = run_ranks(stuck_rank, 2, "python", timeout_s=90, raise_on_error=False)
+    assert time.monotonic() - t0 < 60
+    assert "rank 1 (pp=0/1, dp=1/2, cp=0/1) is alive but has issued no collective" in peer[1], peer[1]
+    assert "outside gradsched (in the training script's own code)" in peer[1], peer[1]
+    assert "in stuck_rank" in peer[1] and "Rank 1's stack" in peer[1]  # the stuck rank's own Python stack
+    assert "is the rank the job waits for: rank 0 found it" in stuck_one[1], stuck_one[1]
+
+
+def test_a_straggler_beyond_the_timeout_is_named_and_does_not_blame_its_peer():
+    peer, late = run_ranks(stuck_rank, 2, "late", timeout_s=90, raise_on_error=False)
+    assert "rank 1 (pp=0/1, dp=1/2, cp=0/1) is alive but has issued no collective" in peer[1], peer[1]
+    assert "'the optimizer's parameter all-gather, bucket 0'" in peer[1] and "in late" in peer[1]
+    assert "is the rank the job waits for" in late[1] and "issued another number" not in late[1], late[1]
+
+
+def test_a_straggler_within_the_timeout_and_a_long_compile_are_no_faults_and_train_like_one_process():
+    ranks = run_ranks(patient_peers, 2, timeout_s=120)
+    job = Job(pp=1, dp=2, steps=2)
+    ref = reference(job)
+    assert gradient_error(ref, ranks) < TOL
+    assert compare(ref, ranks)["max_abs_diff"] < TOL
+
+
+# ---- pipelines: shapes named at their source, non-finite values never applied ----------------------
+
+@pytest.fixture(scope="module")
+def pipeline_runs():
+    return run_ranks(pipeline_misbehaviour, 2, timeout_s=180)
+
+
+def test_a_batch_of_another_shape_is_refused_on_every_rank_naming_its_sender(pipeline_runs):
+    for r in pipeline_runs:
+        assert r["shape"].startswith("PlanError: pipeline stages disagree before the first send: rank 0 (stage 0, "
+                                     "dp=0, cp=0) would send [8, 12, 32] float32 to rank 1 (stage 1), which was "
+                                     "built to receive [8, 16, 32] float32"), r["shape"]
+
+
+def test_a_nan_sent_by_one_stage_raises_on_every_rank_naming_it_and_the_step(pipeline_runs):
+    for r in pipeline_runs:
+        assert r["raise"].startswith("NonFiniteError: step 2 (of this run): rank 0 (pipeline stage 0) went "
+                                     "non-finite first, in its stage's forward output"), r["raise"]
+
+
+def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skipped_it(pipeline_runs):
+    job = Job(pp=2, dp=1, steps=3)
+    model, _ = build_model(job)
+    opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        lm_loss(model(x), y).backward()
+        if step != 1:
+            opt.step()
+        opt.zero_grad()
+    ref = {"params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+           "aliases": []}
+    runs = [r["skip"] for r in pipeline_runs]
+    assert [r["skipped"] for r in runs] == [1, 1]
+    cmp = compare(ref, runs)
+    assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
+
+
+# ---- the pure parts --------------------------------------------------------------------------
+
+def _agreed(rows):
+    """[world, SLOTS] from {rank: (stage, {kind, ...})}."""
+    out = torch.zeros(len(rows), nonfinite.SLOTS, dtype=torch.float64)
+    for r, (stage, kinds) in rows.items():
+        out[r, 0] = stage + 1
+        for k in kinds:
+            out[r, k] = 1
+    return out
+
+
+def test_non_finite_values_are_traced_to_the_lowest_stage_forward_then_the_loss_then_the_last_backward():
+    F, L, B, G = nonfinite.FORWARD, nonfinite.LOSS, nonfinite.BACKWARD, nonfinite.GRADS
+    # everything downstream of stage 1's forward went bad too: the origin is stage 1's forward, rank 3
+    rows = {0: (0, {G}), 1: (0, {B, G}), 2: (0, {G}), 3: (1, {F, B, G}), 4: (2, {L, B, G}), 5: (2, {G})}
+    assert "rank 3 (pipeline stage 1) went non-finite first, in its stage's forward output" in \
+        nonfinite.describe(_agreed(rows), 7)
+    rows = {0: (0, {B, G}), 1: (1, {B, G}), 2: (2, {L, B, G}), 3: (2, {G})}
+    assert "rank 2 (pipeline stage 2) went non-finite first, in its loss" in nonfinite.describe(_agreed(rows), 1)
+    rows = {0: (0, {B, G}), 1: (1, {B, G}), 2: (1, {G})}  # an overflow in stage 1's backward
+    assert "rank 1 (pipeline stage 1) went non-finite first, in its stage's input gradients" in \
+        nonfinite.describe(_agreed(rows), 1)
+    assert "step 4 (of this run): rank 1 (pipeline stage 0) went non-finite first, in its reduced gradients" in \
+        nonfinite.describe(_agreed({0: (0, set()), 1: (0, {G})}), 4)
+
+
+def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
+    flags = nonfinite.StepFlags()
+    flags.observe(nonfinite.LOSS, torch.tensor(1.0))
+    with flags.paused():  # pipelining's shape inference on empty tensors
+        flags.observe(nonfinite.FORWARD, torch.tensor([float("nan")]))
+    assert flags.flags.tolist() == [0, 0, 0, 0]
+    flags.observe(nonfinite.BACKWARD, (torch.ones(3), torch.tensor([1.0, float("inf")])))
+    assert flags.flags.tolist() == [0, 0, 1, 0]
+
+
+def test_boundaries_name_the_sender_of_the_first_disagreeing_boundary():
+    ok = {"inputs": [((4, 16, 32), "float32")], "outputs": [((4, 16, 32), "float32")]}
+    short = {"inputs": [((4, 12), "int64")], "outputs": [((4, 12, 32), "float32")]}
+    every = [(0, (0, 0, 0), ok), (1, (0, 1, 0), short), (2, (1, 0, 0), ok), (3, (1, 1, 0), ok)]
+    text = mismatch(every, 2)
+    assert text.startswith("pipeline stages disagree before the first send: rank 1 (stage 0, dp=1, cp=0) would "
+                           "send [4, 12, 32] float32 to rank 3 (stage 1)"), text
+    assert mismatch([every[0], every[2]], 2) is None
+
+
+def test_a_transport_error_wrapped_by_pipelining_is_a_transport_error():
+    try:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+        except RuntimeError as e:
+            raise RuntimeError("Failed to run stage backward:") from e
+    except RuntimeError as wrapped:
+        assert is_comm_error(wrapped)
+    assert not is_comm_error(RuntimeError("shape '[4, 16, 4, 8]' is invalid for input of size 1536"))
+
+
+class _Store:
+    def __init__(self, statuses):
+        self.d = {f"gradsched/status/{r}": json.dumps(s).encode() for r, s in statuses.items()}
+
+    def check(self, keys):
+        return all(k in self.d for k in keys)
+
+    def get(self, key):
+        return self.d[key]
+
+    def set(self, key, value):
+        self.d[key] = value.encode() if isinstance(value, str) else value
+
+
+class _Journal:
+    def __init__(self, statuses):
+        import threading
+        self.store, self.lock, self.seen = _Store(statuses), threading.Lock(), {}
+
+
+def _status(rank, counts, idle_s, **extra):
+    return {"beat": 1, "pid": 1, "host": "h", "host_id": "elsewhere", "where": f"rank {rank}/4 (pp=0/1, dp={rank}/4, "
+            "cp=0/1)", "counts": counts, "idle_s": idle_s, "open": None, **extra}
+
+
+def test_the_rank_everybody_waits_for_is_found_through_waiting_ranks():
+    # rank 0 waits for rank 1 on group a; rank 1 waits for rank 2 on group b; rank 2 waits for nobody, idle 40 s
+    st = {0: _status(0, [["a", [0, 1], 5]], 35), 1: _status(1, [["a", [0, 1], 4], ["b", [1, 2], 7]], 35),
+          2: _status(2, [["b", [1, 2], 6]], 40, last={"what": "train_step 3", "state": "completed"}, last_age_s=40)}
+    j = _Journal(st)
+    text, ranks = stuck.find(j, 0, st[0], timeout_s=30, compile_timeout_s=600)
+    assert ranks == [2]
+    assert text.startswith("rank 2 (pp=0/1, dp=2/4, cp=0/1) is alive but has issued no collective for 40 s while "
+                           "rank 1 waits for it on group [1, 2] (this rank waits for it through rank(s) [1])"), text
+    assert "since 'train_step 3' completed 40 s ago" in text
+
+
+def test_a_rank_that_is_compiling_is_given_the_compile_timeout():
+    st = {0: _status(0, [["a", [0, 1], 5]], 35), 1: _status(1, [["a", [0, 1], 4]], 100, patient=True)}
+    assert stuck.find(_Journal(st), 0, st[0], timeout_s=30, compile_timeout_s=600) is None
+    st[1]["idle_s"] = 700
+    assert stuck.find(_Journal(st), 0, st[0], timeout_s=30, compile_timeout_s=600)[1] == [1]
+
+
+def test_nobody_is_named_while_counts_agree():
+    st = {0: _status(0, [["a", [0, 1], 5]], 35), 1: _status(1, [["a", [0, 1], 5]], 35)}
+    assert stuck.find(_Journal(st), 0, st[0], timeout_s=30, compile_timeout_s=600) is None
+
+
+def test_a_peer_that_left_is_said_with_its_last_entry_not_a_stale_heartbeat():
+    st = _status(1, [], 0, last={"what": "train_step 2", "state": "completed"}, host_id=peers.HOST_ID, pid=2 ** 22 + 7)
+    assert "its last entry, 'train_step 2', had completed" in peers.state(_Journal({}), 1, st)
