@@ -28,6 +28,12 @@ def compile_with_backend_name(rank, world, job: Job, options: dict, distributed_
         opt = gradsched.DistributedOptimizer(compiled, optimizer_class(job), **optimizer_kwargs(job))
     else:
         opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
+    return train_by_backend_name(rank, world, job, model, compiled, opt)
+
+
+def train_by_backend_name(rank, world, job: Job, model, compiled, opt) -> dict:
+    """Data parallel steps of a model compiled with backend="gradsched": this rank's share of each batch;
+    the first step's reduced gradients and the final parameters."""
     per, grads = job.global_batch // world, None
     for step in range(job.steps):
         x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)

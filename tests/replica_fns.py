@@ -5,10 +5,9 @@ from dataclasses import replace
 import torch
 
 import gradsched
-from gradsched.sync.runtime import sync_of
 import tied_training
 import rank_fns
-from tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
+from tied_training import Job, optimizer_class, optimizer_kwargs
 from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 
 
@@ -31,16 +30,7 @@ def by_backend_name(rank, world, job: Job, odd_ranks, odd_seed: int) -> dict:
     model = TinyGPT(job.config)
     compiled = torch.compile(model, backend="gradsched", fullgraph=True, options={"plan": plan, **job.options})
     opt = gradsched.DistributedOptimizer(compiled, optimizer_class(job), **optimizer_kwargs(job))
-    per, grads = job.global_batch // world, None
-    for step in range(job.steps):
-        x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
-        lm_loss(compiled(x[rank * per:(rank + 1) * per]), y[rank * per:(rank + 1) * per]).backward()
-        if step == 0:
-            grads = reduced_gradients(sync_of(model.parameters()))
-        opt.step()
-        opt.zero_grad()
-    return {"rank": rank, "stage": 0, "dp_idx": rank, "ties": [], "grads": grads,
-            "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    return rank_fns.train_by_backend_name(rank, world, job, model, compiled, opt)
 
 
 def init_from_another_seed(name: str, t: torch.Tensor) -> None:
