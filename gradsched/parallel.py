@@ -270,6 +270,8 @@ class ParallelModel:
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
                 self.schedule.step(*(inputs if first else ()), return_outputs=False,
                                    **({"target": targets, "losses": losses} if last_stage else {}))
+        if last_stage and self._total is not None:  # no labelled token in the global batch: its mean loss is NaN
+            self.grad_sync.nonfinite.observe(nonfinite.LOSS, torch.where(self._total > 0, 0.0, float("nan")))
         self.grad_sync.flush()
         return self._global_loss(losses) if last_stage else None
 
@@ -318,7 +320,7 @@ class ParallelModel:
         return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index, observe)
 
     def _global_loss(self, losses) -> torch.Tensor:
-        return loss_weights.global_loss(losses, self.plan, self.options.average)
+        return loss_weights.global_loss(losses, self.plan, self.options.average, self._total)
 
     def named_parameters(self):
         """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,

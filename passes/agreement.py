@@ -7,19 +7,21 @@ digests; every collective of the group that depends on no other of the group's c
 its input through a zero made from the check's result (x - 0.0: bit for bit x); one that reads
 another group's collective (a tied bucket's reduce-scatter reading the tie all-reduce) takes it
 at that collective's input instead, so no extra pass over a reduced buffer is made. No compiler
-can therefore issue any of the group's collectives before the check has passed. Every group's
+can therefore issue any of the group's collectives before the check has run. Every group's
 agreement stands before the graph's first collective.
 
 Why in the graph, every run: the digests are exchanged by the graph itself, as the first
 collective of the group, so each rank compares with the graph its peers run at the same moment.
 A rank that recompiled alone still meets its peers' (older) graphs at that first all-gather,
-which every graph gradsched compiles starts with; equal sequences agree and run, different ones
-raise on every rank before any of the differing collectives. No extra process group, no store
-round trip per run: one 8-byte all-gather per group per graph run.
+which every graph gradsched compiles starts with. What the check does with the gathered digests
+(raise at once, or poison the group's inputs with NaN and compare later on the host, without
+waiting for the device) is the caller's: gradsched.sync.agreement. No extra process group, no
+store round trip per run: one 8-byte all-gather per group per graph run.
 
 Assumes: functional collectives (graph_utils.COLLECTIVES) whose group is their last argument and
 whose input's `meta["val"]` is set; `spec.check(gathered, digest, group)` returns a float32 scalar
-zero on the gathered tensor's device or raises. `meta["val"]` is set on every inserted node.
+on the gathered tensor's device: zero when every digest is `digest` (else it raises, or returns
+NaN). `meta["val"]` is set on every inserted node.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from .graph_utils import META_KEY, GraphBuilder, c10d, collective_group, collect
 
 @dataclass(frozen=True)
 class AgreementSpec:
-    check: object  # the op run on the gathered digests: (gathered int64 [n], digest, group) -> float32 zero
+    check: object  # the op run on the gathered digests: (gathered int64 [n], digest, group) -> float32 scalar
     group_sizes: dict  # group name -> its number of ranks
 
 

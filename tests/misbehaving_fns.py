@@ -92,14 +92,15 @@ def _nan_in_the_first_activation_at_step(step_index: int):
 
 
 def pipeline_misbehaviour(rank, world):
-    """pp2 x dp1, three jobs in one set of processes (each ends on both ranks together):
+    """pp2 x dp1, four jobs in one set of processes (each ends on both ranks together):
     "shape": rank 0's first batch is 4 tokens shorter (refused at setup, rank 0 named as the sender);
     "raise": rank 0 (stage 0) sends one NaN at step 2 (NonFiniteError on both);
-    "skip": the same with on_nonfinite="skip" (both skip step 2).
+    "skip": the same with on_nonfinite="skip" (both skip step 2);
+    "unlabelled": step 2's targets are all ignore_index (its mean loss is NaN: NonFiniteError on both).
     Returns {job: the error text, or the skipped steps and parameters}."""
     out = {}
     state = _nan_in_the_first_activation_at_step(1) if rank == 0 else {}
-    for name in ("shape", "raise", "skip"):
+    for name in ("shape", "raise", "skip", "unlabelled"):
         torch._dynamo.reset()
         options = {"compiler": "eager", "fault_timeout_s": 30.0}
         if name == "skip":
@@ -114,7 +115,9 @@ def pipeline_misbehaviour(rank, world):
                 x, y = batch(job, step)
                 if name == "shape" and rank == 0:
                     x, y = x[:, :-4], y[:, :-4]
-                state["armed"] = name != "shape" and step == 1
+                if name == "unlabelled" and step == 1:
+                    y = torch.full_like(y, -100)
+                state["armed"] = name in ("raise", "skip") and step == 1
                 model.train_step(x, y)
                 opt.step()
                 opt.zero_grad()

@@ -412,6 +412,41 @@ def recompile_on_one_rank(rank, world, other_collectives: bool):
     return {"outputs": out, "error": None}
 
 
+def swapped_graphs_after_warm_up(rank, world):
+    """Graphs A and B each all-reduce 4 floats over the world, tagged differently: two sequences of the same
+    sizes, whose mixing no transport would notice. Runs 1 and 2: every rank runs A, then B (a graph's first
+    run checks at once: they agree). Run 3: rank 0 runs A, rank 1 runs B, then the step's end settles.
+    Returns run 3's output and what the step's end raised."""
+    import torch.distributed as dist
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from gradsched.passes.graph_utils import GraphBuilder
+    from gradsched.sync import agreement
+    from gradsched.sync.compile import compile_graph
+    group = dist.group.WORLD.group_name
+
+    def graph(tag):
+        gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+        b = GraphBuilder(gm, FakeTensorMode())
+        x = b.placeholder("x", [4], torch.float32, torch.device("cpu"))
+        gm.graph.output((b.collective("all_reduce", x, group, world, {"identity": tag}),))
+        gm.recompile()
+        return compile_graph(gm, [torch.zeros(4)], "eager", agree=f"graph {tag}")
+
+    a, b = graph("A"), graph("B")
+    x = torch.arange(4.0) + rank
+    for run in (a, b):
+        run([x.clone()])
+        agreement.settle(wait=True)
+    out = (a if rank == 0 else b)([x.clone()])[0]
+    try:
+        agreement.settle(wait=True)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return {"output": out, "error": f"{type(e).__name__}: {e}"}
+    return {"output": out, "error": None}
+
+
 def uneven_batches(rank, world, job: Job, batches: list):
     """Data parallel through the backend by name, rank r's batch at step s being batches[s][r] rows
     (a new size on one rank only: Dynamo recompiles there alone). SGD over full parameters."""

@@ -15,7 +15,7 @@ from gradsched.passes.graph_utils import GraphBuilder, c10d, collective_group, i
 from tied_training import Job, abs_diff, rank_main
 from tiny_gpt import TinyGPT, lm_loss, make_batch
 
-from rank_fns import recompile_on_one_rank, uneven_batches
+from rank_fns import recompile_on_one_rank, swapped_graphs_after_warm_up, uneven_batches
 
 AGREE = torch.ops.gradsched.agree.default
 
@@ -92,6 +92,18 @@ def test_a_recompile_on_one_rank_only_with_other_collectives_raises_on_both_rank
         assert "1 collective(s)" in msg and "2 collective(s)" in msg
         assert "at collective #1" in msg.lower()
         assert len(ranks[me]["outputs"]) == 1  # step 0 ran; step 1 issued nothing on the group
+
+
+def test_after_warm_up_ranks_running_different_graphs_get_nan_and_raise_at_the_steps_end_naming_both():
+    # both graphs ran before on every rank, so neither run reads the digests: nothing fails while they run (the
+    # same sizes), the results are NaN instead of a silent mix, and the step's end raises on both ranks
+    ranks = run_ranks(swapped_graphs_after_warm_up, 2, timeout_s=120)
+    for me, other, mine, theirs in ((0, 1, "graph A", "graph B"), (1, 0, "graph B", "graph A")):
+        r = ranks[me]
+        assert torch.isnan(r["output"]).all(), r["output"]
+        assert r["error"].startswith("CollectiveMismatch: ranks [0, 1] ran different collectives"), r["error"]
+        assert f"this rank ({me}) runs {mine}, " in r["error"] and f"rank {other} runs {theirs}, " in r["error"]
+        assert "nothing computed from them was applied" in r["error"]
 
 
 def test_context_parallel_ranks_compiling_different_attention_raise_before_any_ring_collective():

@@ -67,6 +67,12 @@ def test_a_nan_sent_by_one_stage_raises_on_every_rank_naming_it_and_the_step(pip
                                      "non-finite first, in its stage's forward output"), r["raise"]
 
 
+def test_a_global_batch_without_a_labelled_token_is_a_non_finite_loss_never_applied(pipeline_runs):
+    for r in pipeline_runs:  # its mean loss is 0/0, as in one process; found with the step's one read, no other
+        assert r["unlabelled"].startswith("NonFiniteError: step 2 (of this run): rank 1 (pipeline stage 1) went "
+                                          "non-finite first, in its loss"), r["unlabelled"]
+
+
 def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skipped_it(pipeline_runs):
     job = Job(pp=2, dp=1, steps=3)
     model, _ = build_model(job)

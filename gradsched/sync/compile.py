@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
-from gradsched.sync.agreement import with_agreement
+from gradsched.sync.agreement import settling, with_agreement
 
 
 # Inductor's own comm scheduling (torch/_inductor/comms.py), for graphs that reduce gradients:
@@ -21,10 +21,10 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str, comm_overla
                   agree: str | None = None):
     """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager".
     comm_overlap: schedule the graph's collectives early and their waits late (Inductor).
-    agree: the graph's name in messages; each run then first agrees with the peers on each group's
-    collectives (gradsched.sync.agreement), on a copy: `gm` stays the graph gradsched built."""
+    agree: the graph's name in messages; each run then agrees with the peers on each group's collectives
+    (gradsched.sync.agreement), on a copy: `gm` stays the graph gradsched built."""
     if agree is not None:
-        return compile_graph(with_agreement(gm, agree), example_inputs, compiler, comm_overlap)
+        return settling(compile_graph(with_agreement(gm, agree), example_inputs, compiler, comm_overlap))
     if compiler == "eager":
         from gradsched.user_errors import remember_graph
         remember_graph(gm)  # its errors can then name the user's line

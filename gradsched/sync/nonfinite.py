@@ -19,6 +19,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 
+from gradsched.sync import agreement
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 
@@ -124,7 +125,9 @@ def check(sync, on_nonfinite: str) -> bool:
     flags.reset()
     if agreed.is_meta:  # the dry run (gradsched.dryrun): the reduction is priced, no value is read
         return True
-    if not bool((agreed[:, 1:] > 0).any()):  # the step's one host read of a device value
+    bad = bool((agreed[:, 1:] > 0).any())  # the step's one host read of a device value
+    agreement.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
+    if not bad:
         return True
     if on_nonfinite == "skip":
         return False
@@ -147,4 +150,4 @@ def describe(agreed: torch.Tensor, step: int) -> str:
     return (f"step {step} (of this run): rank {r} (pipeline stage {bad[r][0]}) went non-finite first, in "
             f"{WHAT[kind]}; non-finite values were seen on rank(s) {others}. Nothing was applied: the optimizer did not step. "
             "Look for a division by zero, a log of zero, an overflow in low precision or bad input data on that "
-            "rank; SyncOptions(on_nonfinite='skip') skips such steps instead of ending the run.")
+            "rank (a global batch whose targets are all ignore_index has no mean loss either); SyncOptions(on_nonfinite='skip') skips such steps instead of ending the run.")

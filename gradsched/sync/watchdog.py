@@ -1,9 +1,8 @@
 """Faults end as errors that name the culprit: a journal of each rank's collectives, and a watchdog.
 
-Every rank keeps a journal of what gradsched issues eagerly (the optimizer's parameter gathers,
-the loss and norm all-reduces) and of the compiled graphs and phases it runs (a step's schedule,
-the flush graph, a checkpoint), with Flight Recorder's fields: sequence number, what, group, op,
-element count, dtype, state and time. A daemon thread publishes this rank's status to a clone of
+Every rank keeps a journal of what gradsched issues eagerly (parameter gathers, loss and norm all-reduces)
+and of the phases it runs (a step's schedule, the flush graph, a checkpoint), with Flight Recorder's
+fields: sequence number, what, group, op, element count, dtype, state and time. A daemon thread publishes this rank's status to a clone of
 the job's store every `INTERVAL_S` (a beat counter, its open entry, its groups' c10d sequence
 numbers, its pid and host) and fetches the errors peers posted (the store lives in rank 0's
 process: once rank 0 ends, what was not fetched is lost). Liveness is judged from beat counters
@@ -26,9 +25,8 @@ seen changing on this rank's own monotonic clock, never by comparing two hosts' 
   last), since a collective blocked inside gloo cannot be interrupted from Python; the ranks
   blocked on it then fail and name it.
 
-Compiling (Dynamo's callbacks, entries of kind "compile") and writing a checkpoint ("io") are given
-`compile_timeout_s` instead. The watchdog's store operations are no collectives and time out after
-STORE_TIMEOUT_S, so it cannot hang a healthy run; a new default process group starts it anew.
+Compiling (Dynamo's callbacks, entries of kind "compile") and checkpoints ("io") are given `compile_timeout_s`.
+Store operations time out after STORE_TIMEOUT_S: the watchdog cannot hang a healthy run.
 """
 from __future__ import annotations
 
@@ -46,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from gradsched.sync import peers, stuck
+from gradsched.sync.agreement import explain as _explain, known_mismatch
 from gradsched.sync.peers import INTERVAL_S
 
 GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an entry waits for its own error
@@ -131,9 +130,11 @@ class _Journal:
             e.state = "failed"
             if self.ending:  # the watchdog is ending this process with its own report: no second one
                 time.sleep(4 * STORE_TIMEOUT_S)
-            if isinstance(exc, CollectiveFault) or isinstance(exc.__cause__, CollectiveFault):
+            if isinstance(exc, CollectiveFault) or isinstance(exc.__cause__, CollectiveFault) or \
+                    type(exc).__name__ == "CollectiveMismatch":
                 raise  # named already
             if is_comm_error(exc):
+                _explain(exc)  # the ranks ran different collectives: that is why it failed (agreement)
                 raise CollectiveFault(self.diagnose(e, exc)) from exc
             if len(self.open) == 1:  # this rank's own error, leaving gradsched: the peers will ask why
                 post_failure(exc)
@@ -371,6 +372,8 @@ def _end(j: _Journal, report: str, post_all: bool | None = True) -> None:
     """Post the report (up to its trace; its first line only with post_all=False; nothing with None), print it
     with its first line last (a log's last line says why), hand it to the hooks, and end the process (rank 0,
     the store's host, last)."""
+    mismatch = known_mismatch(j.store)  # the digests this rank gathered may already say why
+    report = f"CollectiveMismatch: {mismatch}\n{report}" if mismatch else report
     summary, _, details = report.partition("\n")
     if post_all is not None:
         _post(j, report.split("This rank's last entries:")[0].strip() if post_all else summary.strip())

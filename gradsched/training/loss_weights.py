@@ -25,32 +25,50 @@ def labelled(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
 
 
 def global_count(targets: torch.Tensor, plan: ParallelPlan, ignore_index: int) -> torch.Tensor:
-    """Labelled tokens of the global batch: this rank's, summed over the last stage's gradient group."""
+    """Labelled tokens of the global batch: this rank's, summed over the last stage's gradient group.
+    Never read on the host: a global batch with none makes the step's loss NaN (as in one process),
+    which the step's non-finite check reports."""
     total = labelled(targets, ignore_index)
     if len(plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
         pg = plan.process_group("grad")
         with JOURNAL.entry("the global batch's labelled-token count", "collective", pg, "all_reduce", 1, total.dtype):
             dist.all_reduce(total, group=pg)
-    if total == 0:
-        raise ValueError(f"every target of this step is ignore_index={ignore_index}: the mean loss "
-                         "is undefined. Check the labels (or ignore_index=).")
     return total
 
 
+class _GradientUnless(torch.autograd.Function):
+    """Identity forward; backward passes the gradient where `keep`, exact zeros elsewhere (a loss over no
+    labelled element is 0/0, and so may its gradient be: NaN must not reach the model's gradients)."""
+
+    @staticmethod
+    def forward(ctx, t, keep):
+        ctx.save_for_backward(keep)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return torch.where(keep, grad, torch.zeros_like(grad)), None
+
+
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int, observe):
-    """A micro-batch's share of the step's loss (`observe(loss)` sees its unweighted loss)."""
+    """A micro-batch's share of the step's loss (`observe(loss)` sees its unweighted loss). Branch-free: a
+    micro-batch whose targets are all ignore_index contributes exact zeros, decided on the device."""
     n = labelled(target, ignore_index)
-    if n == 0:  # all ignored: the mean would be 0/0; contribute exact zeros instead
-        return sum(t.sum() * 0.0 for t in torch.utils._pytree.tree_leaves(out) if t.is_floating_point())
-    weight = n * len(plan.group_ranks("grad")) / total  # a tensor: no device sync
-    loss = loss_fn(out, target)
+    keep = n > 0  # never read on the host
+    gated = torch.utils._pytree.tree_map(
+        lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
+    loss = loss_fn(gated, target)
+    loss = torch.where(keep, loss, torch.zeros_like(loss))  # 0/0 on an empty micro-batch: exact zero instead
     observe(loss)
-    return loss * weight.to(loss.dtype)
+    weight = n * len(plan.group_ranks("grad")) / total  # n <= total: where keep, total > 0
+    return torch.where(keep, loss * weight.to(loss.dtype), torch.zeros_like(loss))
 
 
-def global_loss(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor:
+def global_loss(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None) -> torch.Tensor:
     """The step's loss over the global batch (mean over labelled tokens, or sum), from this rank's
-    micro-batch losses: the same on every rank of the last stage."""
+    micro-batch losses: the same on every rank of the last stage. `total` (with average): the global
+    batch's labelled tokens; none makes the loss NaN, as the mean over nothing is in one process."""
     loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
     group_size = len(plan.group_ranks("grad"))
     if average:
@@ -59,4 +77,6 @@ def global_loss(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor
         pg = plan.process_group("grad")
         with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, loss.dtype):
             dist.all_reduce(loss, group=pg)
+    if total is not None:
+        loss = torch.where(total > 0, loss, torch.full_like(loss, float("nan")))
     return loss.float()

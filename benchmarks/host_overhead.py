@@ -1,0 +1,175 @@
+"""Host overhead of a training step: gradsched against DDP and FSDP2 (each under torch.compile), with a model so
+small that its compute is negligible, so what is left is what the CPU spends driving the step.
+
+    python benchmarks/host_overhead.py --pp 1 --dp 2
+    python benchmarks/host_overhead.py --pp 2 --dp 2
+
+A 2-layer GPT (dim 64), 8 micro-batches of one sequence per rank, AdamW. gradsched runs pp x dp with Inductor
+(its pipeline at pp 2); DDP (torch.compile over DistributedDataParallel, no_sync but on the last micro-batch)
+and FSDP2 (fully_shard per block and at the root, torch.compile, gradient sync on the last micro-batch only)
+run the same pp x dp processes as plain data parallel, each rank with the same 8 micro-batches. Steps 1 to 4
+warm up (compiles); steps 5 to 25 are timed; then 5 more run under cProfile. One JSON object per implementation:
+
+  step_ms_median          median over the timed steps of the slowest rank's step (train_step or the
+                          micro-batches' forward and backward, then optimizer step and zero_grad)
+  vs_ddp                  step_ms_median / DDP's, from this run
+  host_ms_per_microbatch  the implementation's own Python per micro-batch, from the profile: the self time
+                          of its functions (gradsched/, DDP's or FSDP2's modules) and of the C calls they
+                          make directly (the tensor ops of its checks), over the profiled steps' micro-batches,
+                          plus for gradsched its watchdog thread's CPU time; the largest over ranks. cProfile
+                          slows every Python call it sees: an upper bound.
+  pipelining_ms_per_microbatch   (gradsched at pp > 1) the same for torch.distributed.pipelining's schedule
+  watchdog_ms_per_step    (gradsched) its watchdog thread's CPU time per step
+
+On this CPU every process shares 2 cores with the others: ratios from one run only; absolute times only from
+a GPU machine, with the device named.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import statistics
+import time
+
+import torch
+
+from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
+from gradsched.launch import run_ranks
+from tied_training import Job, batch, build_model
+from tiny_gpt import GPTConfig, lm_loss
+
+IMPLS = ("gradsched", "ddp", "fsdp2")
+CONFIG = GPTConfig(vocab=64, seq=16, dim=64, heads=4, layers=2)
+MICROBATCHES, WARMUP, TIMED, PROFILED = 8, 4, 21, 5
+OWN = {"gradsched": ("/gradsched/",), "ddp": ("torch/nn/parallel/distributed.py",),
+       "fsdp2": ("torch/distributed/fsdp/",), "pipelining": ("torch/distributed/pipelining/",)}
+
+
+class Trainer:
+    def __init__(self, impl: str, job: Job):
+        import torch.distributed as dist
+        model, split_points = build_model(job)
+        self.impl, self.m = impl, MICROBATCHES
+        if impl == "gradsched":
+            import gradsched
+            self.plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
+            self.model = gradsched.parallelize(model, plan=self.plan, loss_fn=lm_loss, microbatches=self.m,
+                                               split_points=split_points if job.pp > 1 else (), compiler="inductor")
+            self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
+            self.dp_idx = self.plan.coords()[1]
+            return
+        if impl == "ddp":
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(model)
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            self.model = fully_shard(model, mesh=mesh)
+        self.forward = torch.compile(self.model)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+        self.dp_idx = dist.get_rank()
+
+    def step(self, x, y) -> None:
+        if self.impl == "gradsched":
+            self.model.train_step(x, y)
+        else:
+            for i, (xi, yi) in enumerate(zip(x.chunk(self.m), y.chunk(self.m))):
+                last = i == self.m - 1
+                if self.impl == "fsdp2":
+                    self.model.set_requires_gradient_sync(last)
+                    (lm_loss(self.forward(xi), yi) / self.m).backward()
+                elif last:
+                    (lm_loss(self.forward(xi), yi) / self.m).backward()
+                else:
+                    with self.model.no_sync():
+                        (lm_loss(self.forward(xi), yi) / self.m).backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+
+def own_ms(stats: pstats.Stats, paths: tuple) -> float:
+    """Self time of the functions in `paths` and of the C calls they make directly, in ms."""
+    mine = lambda func: any(p in func[0].replace("\\", "/") for p in paths)  # noqa: E731
+    total = 0.0
+    for func, (_, _, tt, _, callers) in stats.stats.items():
+        if mine(func):
+            total += tt
+        elif func[0] == "~":  # a built-in: count what these functions' calls to it took
+            total += sum(c[2] for caller, c in callers.items() if mine(caller))
+    return 1e3 * total
+
+
+def watchdog_cpu_s() -> float:
+    from gradsched.sync.watchdog import JOURNAL
+    thread = JOURNAL.thread
+    if thread is None or thread.ident is None:
+        return 0.0
+    try:
+        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    except (OSError, AttributeError):  # the thread ended, or no per-thread clock on this platform
+        return 0.0
+
+
+def rank_run(rank: int, world: int, impl: str, job: Job) -> dict:
+    trainer = Trainer(impl, job)
+    per_rank = job.global_batch // (world if impl != "gradsched" else job.dp)
+    sl = slice(trainer.dp_idx * per_rank, (trainer.dp_idx + 1) * per_rank)
+    times = []
+    for step in range(WARMUP + TIMED):
+        x, y = batch(job, step)
+        t0 = time.perf_counter()
+        trainer.step(x[sl], y[sl])
+        times.append(time.perf_counter() - t0)
+    watch0, prof = watchdog_cpu_s(), cProfile.Profile()
+    for step in range(PROFILED):
+        x, y = batch(job, WARMUP + TIMED + step)
+        prof.enable()
+        trainer.step(x[sl], y[sl])
+        prof.disable()
+    watchdog_ms = 1e3 * (watchdog_cpu_s() - watch0) / PROFILED
+    stats = pstats.Stats(prof)
+    per_mb = PROFILED * MICROBATCHES
+    return {"step_times": times[WARMUP:], "own_ms_per_mb": own_ms(stats, OWN[impl]) / per_mb + watchdog_ms / MICROBATCHES,
+            "pipelining_ms_per_mb": own_ms(stats, OWN["pipelining"]) / per_mb, "watchdog_ms_per_step": watchdog_ms}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--pp", type=int, default=1, choices=(1, 2), help="gradsched's pipeline stages")
+    ap.add_argument("--dp", type=int, default=2)
+    ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
+    ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
+                    "host_overhead_pp{pp}_dp{dp}.jsonl")
+    args = ap.parse_args(argv)
+    world = args.pp * args.dp
+    # every rank runs 8 micro-batches of one sequence; DDP and FSDP2 spread the global batch over every process
+    job = Job(pp=args.pp, dp=args.dp, global_batch=MICROBATCHES * world if args.pp == 1 else MICROBATCHES * args.dp,
+              config=CONFIG, split_points=("blocks.1",))
+    out = args.out if args.out is not None else RESULTS / f"host_overhead_pp{args.pp}_dp{args.dp}.jsonl"
+    rows, ddp_ms = [], None
+    for impl in sorted(args.impl, key=lambda i: i != "ddp"):  # DDP first: the others' ratio
+        impl_job = job if impl == "gradsched" else Job(**{**job.__dict__, "global_batch": MICROBATCHES * world})
+        print(f"host_overhead.py: {impl} on {world} processes ...", flush=True)
+        ranks = run_ranks(rank_run, world, impl, impl_job, timeout_s=1800)
+        step_ms = 1e3 * statistics.median(max(s) for s in zip(*(r["step_times"] for r in ranks)))
+        ddp_ms = step_ms if impl == "ddp" else ddp_ms
+        row = {"bench": "host_overhead", "impl": impl, "pp": args.pp if impl == "gradsched" else 1,
+               "dp": args.dp if impl == "gradsched" else world, "processes": world, "microbatches": MICROBATCHES,
+               "device": "cpu", "step_ms_median": round(step_ms, 2),
+               "vs_ddp": round(step_ms / ddp_ms, 3) if ddp_ms else None,
+               "host_ms_per_microbatch": round(max(r["own_ms_per_mb"] for r in ranks), 3)}
+        if impl == "gradsched":
+            row["pipelining_ms_per_microbatch"] = round(max(r["pipelining_ms_per_mb"] for r in ranks), 3)
+            row["watchdog_ms_per_step"] = round(max(r["watchdog_ms_per_step"] for r in ranks), 3)
+        rows.append(row)
+        emit(rows[-1:], out, append=len(rows) > 1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

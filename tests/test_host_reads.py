@@ -1,0 +1,42 @@
+"""A steady-state step never reads a device value on the host (each read drains a GPU's queue), but for
+the one at its end: the non-finite flags (gradsched.training.host_reads records the reads;
+gradsched.sync.agreement and gradsched.training.loss_weights keep their checks on the device)."""
+import pytest
+import torch
+from torch.optim.optimizer import _get_value
+
+from gradsched.launch import run_ranks
+from gradsched.training import host_reads
+
+from host_read_fns import CONFIGS, steady_steps_reads
+
+
+def test_the_recorder_names_each_read_with_its_stack_and_leaves_expected_ones_out():
+    t = torch.arange(3.0)
+    with host_reads.recording() as seen:
+        t.sum().item()
+        bool(t.any())
+        t.tolist()
+        _get_value(torch.tensor(1.0))  # an optimizer's step counter: kept on the CPU
+    assert [r.method for r in seen.unexpected()] == ["item", "__bool__", "tolist"]
+    assert "test_host_reads.py" in seen.report() and "t.sum().item()" in seen.report()
+    assert [r.method for r in seen.all if r.expected] == ["item"]
+    assert torch.Tensor.item is not None and t.sum().item() == 3.0  # restored
+
+
+@pytest.fixture(scope="module")
+def runs():
+    per_rank = run_ranks(steady_steps_reads, 4, list(CONFIGS), timeout_s=900)
+    return {name: [r[name] for r in per_rank] for name in CONFIGS}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_steady_steps_3_to_5_read_no_device_value_on_the_host(name, runs):
+    for r in runs[name]:
+        assert r["reads"] == [], f"{name}, stage {r['stage']}:\n" + "\n".join(r["reads"])
+
+
+def test_one_added_item_inside_a_step_is_caught_with_its_line(runs):
+    for r in runs["pp2_dp2_shard_true"]:  # the label count runs on the last stage
+        assert (len(r["injected"]) >= 1) == (r["stage"] == 1), r["injected"]
+        assert all("n.item()  # the injected read" in text for text in r["injected"])
