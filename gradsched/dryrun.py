@@ -30,6 +30,7 @@ Triton (bf16 block outputs; the Triton fp32-output kernel's are fp32).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import sys
@@ -41,13 +42,10 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
+from gradsched.hf import LLAMA, from_config, llama
+from gradsched.sizing.device_attention import DEVICES, priced_as
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
 
-LLAMA = {  # Llama 3.1's shapes (no weights): vocab, hidden, intermediate, layers, heads, kv heads
-    "llama-8b": (128256, 4096, 14336, 32, 32, 8),
-    "llama-70b": (128256, 8192, 28672, 80, 64, 8),
-    "llama-tiny": (256, 64, 128, 4, 4, 2),  # for tests: seconds, not minutes
-}
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
 
 
@@ -76,24 +74,18 @@ def fake_world(rank: int, world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
-def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
-    """(model on the meta device, split points for pp stages, its loss) of a built-in Llama config."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError as e:
-        raise SystemExit(f"--model {name} is built with Hugging Face transformers, which is not installed: "
-                         "pip install 'transformers>=5.23,<5.25'.") from e
-    from gradsched.hf import CausalLM
-    vocab, hidden, inter, layers, heads, kv = LLAMA[name]
-    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                    num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=131072,
-                    tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None, torch_dtype=dtype)
-    c._attn_implementation = "sdpa"
+def from_module(spec: str, dtype: torch.dtype):
+    """(model on meta, split points or None) from "pkg.mod:factory": factory() returns an nn.Module whose
+    forward(tokens) gives logits [batch, sequence, vocab], or (module, split points)."""
+    import importlib
+    mod, _, name = spec.partition(":")
+    if not name:
+        raise SystemExit(f"--module {spec}: give it as package.module:factory (a function returning the nn.Module)")
+    factory = getattr(importlib.import_module(mod), name)
     with torch.device("meta"):
-        m = LlamaForCausalLM(c).to(dtype)
-    if checkpointing:
-        m.gradient_checkpointing_enable({"use_reentrant": False})
-    return CausalLM(m, documents=False), layers
+        built = factory()
+    model, split_points = built if isinstance(built, tuple) else (built, None)
+    return model.to(dtype), split_points
 
 
 def even_split_points(layers: int, pp: int, prefix: str = "model.model.layers") -> list[str]:
@@ -116,10 +108,11 @@ def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str
 
 def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, split_points=(),
             optimizer=torch.optim.AdamW, optimizer_kwargs=None, backend="nccl", progress=print,
-            **options) -> list[Role]:
+            device: str = "cuda", **options) -> list[Role]:
     """Measure every stage's role of a plan (see the module docstring). `model`: on the meta device (or
     any, but then its values are used); `batch`: sequences per data-parallel rank per step; `backend`:
-    whose collective scratch memory to add (WORKSPACE)."""
+    whose collective scratch memory to add (WORKSPACE); `device`: whose attention kernels to price
+    ("cuda" or "cpu": gradsched.training.device_attention)."""
     # one process: no peer to agree with, and each stage's preflight sees only its own tie layouts (a
     # shard_aligned tie would be refused unproven); the verdict below checks every tie with every layout
     options = {"compiler": "eager", **options, "check_ranks": False, "allow_hazard": True}
@@ -133,8 +126,10 @@ def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, 
     tokens = torch.zeros(batch, seq, dtype=torch.long, device=next(model.parameters()).device)
     with warnings.catch_warnings():  # allow_hazard's warning: the verdict below says what holds
         warnings.filterwarnings("ignore", message="gradsched: running a graph with a known hazard")
-        return _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, optimizer_kwargs, backend,
-                        progress, options)
+        # cp > 1: the ring and Ulysses choose their block kernels by device already (meta stands for a GPU)
+        with priced_as(device) if cp == 1 else contextlib.nullcontext():
+            return _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, optimizer_kwargs,
+                            backend, progress, options)
 
 
 def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, optimizer_kwargs, backend, progress,
@@ -302,7 +297,15 @@ def _verdict(sync, built) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--model", default="llama-8b", choices=sorted(LLAMA))
+    ap.add_argument("--model", default="llama-8b", choices=sorted(LLAMA), help="a built-in shape (no weights)")
+    which = ap.add_mutually_exclusive_group()
+    which.add_argument("--config", default=None, help="instead: a Hugging Face config.json (or its directory); any "
+                    "*ForCausalLM transformers builds from it. Tied as the config says, or with --tie")
+    which.add_argument("--module", default=None, help="instead: package.module:factory, a function returning your "
+                    "nn.Module (built on meta; forward(tokens) -> logits), or (module, split points). The Python "
+                    "API: gradsched.dryrun.dry_run(model, loss_fn, pp=, dp=, cp=, batch=, seq=, split_points=)")
+    ap.add_argument("--split-points", default=None, help="comma-separated module names where stages begin "
+                    "(default: layers split evenly; --module at pp > 1 needs them or its factory's)")
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
@@ -316,31 +319,54 @@ def main(argv=None) -> int:
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding (across stages)")
     ap.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--device", default="cuda", choices=DEVICES, help="whose kernels to price: attention as that "
+                    "device runs it (cuda: flash or memory-efficient, O(S) saved state), cuBLAS workspaces on cuda")
     ap.add_argument("--json", default=None, help="also write the roles as JSON lines here")
+    ap.add_argument("--plot", default=None, help="also draw each stage's memory as stacked bars into this PNG")
+    ap.add_argument("--device-memory", default="80GiB", help="the device memory line of --plot (e.g. 80GiB, 141GiB)")
     args = ap.parse_args(argv)
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
-    model, layers = llama(args.model, dtype, tie=args.tie, checkpointing=args.checkpointing)
-    if args.pp > layers:
-        raise SystemExit(f"--pp {args.pp}: {args.model} has {layers} layers; use pp <= {layers}.")
+    name, split_points = args.module or args.config or args.model, None
+    if args.module:
+        model, split_points = from_module(args.module, dtype)
+        layers = None
+    elif args.config:
+        model, layers = from_config(args.config, dtype, tie=args.tie, checkpointing=args.checkpointing)
+    else:
+        model, layers = llama(args.model, dtype, tie=args.tie, checkpointing=args.checkpointing)
+    if args.split_points:
+        split_points = args.split_points.split(",")
+    elif split_points is None and layers is not None:
+        if args.pp > layers:
+            raise SystemExit(f"--pp {args.pp}: {name} has {layers} layers; use pp <= {layers}.")
+        split_points = even_split_points(layers, args.pp)
+    if args.pp > 1 and len(split_points or ()) != args.pp - 1:
+        raise SystemExit(f"--pp {args.pp} needs {args.pp - 1} split point(s): give --split-points (module names).")
     shard = {"params": "params", "true": True, "false": False}[args.shard]
-    print(f"dry run: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+    print(f"dry run: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
-          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens; each peak includes "
-          f"the {_size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's workspaces)", flush=True)
+          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
+          + (f"; each peak includes the {_size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's "
+             "workspaces)" if args.device == "cuda" else ""), flush=True)
     t0 = time.perf_counter()
+    backend = "nccl" if args.device == "cuda" else "gloo"
     roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, batch=args.batch or m, seq=args.seq,
-                    split_points=even_split_points(layers, args.pp), shard=shard,
+                    split_points=split_points or (), shard=shard, device=args.device, backend=backend,
                     microbatches=m, bucket_mb=args.bucket_mb,
                     progress=lambda s: print(s, flush=True))
     for r in roles:
         print(_describe(r))
     print(f"dry run: {time.perf_counter() - t0:.0f} s; largest peak {_size(max(r.peak for r in roles))} "
           f"(stage {max(roles, key=lambda r: r.peak).stage})")
+    if args.plot:
+        from gradsched.sizing.plot import plot_roles
+        plot_roles(roles, args.plot, _bytes(args.device_memory), f"{name}: pp={args.pp} x dp={args.dp} x cp={args.cp}, "
+                   f"shard={shard!r}, {m} micro-batches, {args.seq} tokens, priced as {args.device}")
     if args.json:
         with open(args.json, "w") as f:
             for r in roles:
-                f.write(json.dumps({"bench": "dryrun", "model": args.model, "pp": args.pp, "dp": args.dp,
+                f.write(json.dumps({"bench": "dryrun", "model": name, "pp": args.pp, "dp": args.dp,
                                     "cp": args.cp, "shard": args.shard, "seq": args.seq, "microbatches": m,
                                     "dtype": args.dtype, **dataclasses.asdict(r)}) + "\n")
     return 0
@@ -348,6 +374,13 @@ def main(argv=None) -> int:
 
 def _lm_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _bytes(text: str) -> int:
+    units = {"gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6}
+    t = text.strip().lower()
+    unit = next((u for u in units if t.endswith(u)), None)
+    return int(float(t[:-len(unit)] if unit else t) * (units[unit] if unit else 1))
 
 
 def _size(n: int) -> str:

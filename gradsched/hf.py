@@ -26,6 +26,7 @@ different attention silently.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 
@@ -234,3 +235,42 @@ def tiny_llama_documents(vocab=64, seq=64, dim=32, layers=2, heads=4):
 
 MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistral, "hf_qwen2": tiny_qwen2,
           "hf_gemma3": tiny_gemma3, "hf_llama_documents": tiny_llama_documents}
+
+
+def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False) -> tuple[CausalLM, int]:
+    """(a causal LM of this transformers config on the meta device: shapes, no values, behind CausalLM; its
+    number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config."""
+    from transformers import AutoModelForCausalLM
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(config).to(dtype)
+    if checkpointing:
+        m.gradient_checkpointing_enable({"use_reentrant": False})
+    return CausalLM(m, documents=False), config.num_hidden_layers
+
+
+# the dry run's built-in shapes, Llama 3.1's (no weights): vocab, hidden, intermediate, layers, heads, kv heads
+LLAMA = {
+    "llama-8b": (128256, 4096, 14336, 32, 32, 8),
+    "llama-70b": (128256, 8192, 28672, 80, 64, 8),
+    "llama-tiny": (256, 64, 128, 4, 4, 2),  # for tests: seconds, not minutes
+}
+
+
+def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
+    """(model on the meta device, its number of layers) of a built-in Llama config."""
+    from transformers import LlamaConfig
+    vocab, hidden, inter, layers, heads, kv = LLAMA[name]
+    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                    num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=131072,
+                    tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    return meta_causal_lm(c, dtype, checkpointing)
+
+
+def from_config(path: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
+    """(model on meta, its number of layers) from a Hugging Face config.json, or a directory holding one."""
+    from transformers import AutoConfig
+    c = AutoConfig.from_pretrained(path)
+    if tie:
+        c.tie_word_embeddings = True
+    return meta_causal_lm(c, dtype, checkpointing)

@@ -24,7 +24,7 @@ from gradsched.backend import gradsched_backend
 from gradsched.cp.layout import check_takes_seq_idx
 from gradsched.options import SyncOptions
 from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
-                                      hf_checkpointed_layers, warn_checkpointing_dropped)
+                                      hf_checkpointed_layers, release_other_stages, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
 from gradsched.sync.replicas import make_replicas_equal
 from gradsched.sync import nonfinite
@@ -183,6 +183,7 @@ class ParallelModel:
         self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
         agree_stage_boundaries(self.stage_module, self.plan)  # before anything is sent: a mismatch named at its source
         self._init = materialize(self.stage_module, microbatch[0].device, self._init)
+        release_other_stages(self.model, self.stage_module)  # the other stages' weights: not this rank's to keep
         self._make_replicas_equal()
         sync = self.grad_sync
 

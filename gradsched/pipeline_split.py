@@ -4,13 +4,15 @@ The split (torch.export) orders a stage's inputs by first use and runs checkpoin
 plain calls. check_first_stage_inputs refuses a model whose inputs the split would reorder (each
 would land in another's place); checkpointed_calls records which calls the model checkpoints
 while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
-and checkpoint_stage_modules checkpoints the same submodules of a stage again.
+and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_other_stages
+drops what the user's model still holds of the other stages once this rank's stage is built.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 
+import torch
 import torch.nn as nn
 
 from gradsched.user_errors import StageError
@@ -130,3 +132,23 @@ def warn_checkpointing_dropped(calls: int, pp: int) -> None:
                   "functions keep their activations. Training is unchanged; memory is not saved there. "
                   "Checkpoint whole modules (torch.utils.checkpoint(module, ...)) to keep it.",
                   UserWarning, stacklevel=3)
+
+
+def release_other_stages(model: nn.Module, stage_module: nn.Module) -> int:
+    """Under pp > 1 the user's model still holds every stage's tensors after the split, though this rank trains
+    its own stage's only: the others' are replaced by meta tensors of their shapes (as a model built on meta
+    has them; a tensor shared by several modules stays one), so that a model built for real costs a rank its
+    stage alone. Returns the bytes released."""
+    mine = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
+    replaced, released = {}, 0
+    for mod in model.modules():
+        for table in (mod._parameters, mod._buffers):
+            for name, t in list(table.items()):
+                if t is None or id(t) in mine or t.is_meta:
+                    continue
+                if id(t) not in replaced:
+                    released += t.untyped_storage().nbytes()
+                    empty = torch.empty_like(t, device="meta")
+                    replaced[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                table[name] = replaced[id(t)]
+    return released

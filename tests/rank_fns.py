@@ -493,12 +493,16 @@ def bf16_parameters_sharded(rank, world):
         master.dtype == torch.float32 and
         torch.equal(shards.shards[pc.bucket][pc.at:pc.at + pc.numel], master.detach().to(torch.bfloat16))
         for pc, master in zip(opt.pieces, opt.masters))
-    full = model.state_dict()
+    import warnings
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        full = model.state_dict()
     loss = float(model.train_step(x, y))
     torch.manual_seed(0)
     copy = TinyGPT().to(torch.bfloat16)
     copy.load_state_dict(full)
-    return {"exact": exact, "loss": loss, "copy_loss": float(lm_loss(copy(x), y))}
+    return {"exact": exact, "loss": loss, "copy_loss": float(lm_loss(copy(x), y)),
+            "state_dict_warnings": [str(w.message) for w in said]}
 
 
 def init_tiny_gpt(name: str, t: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ Its peak is checked against what the CPU allocator itself counts when a real ran
 world: the same graphs on real tensors, collectives that move nothing) trains the same plan; its bytes
 per collective against the bucket layout's arithmetic; its verdict against a layout the verifier must
 reject."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -150,6 +151,26 @@ def test_a_batch_that_does_not_split_into_the_micro_batches_is_refused():
                 microbatches=2, progress=lambda s: None)
 
 
+def _attention_peak(device: str, seq: int, dtype=torch.bfloat16, kv_heads: int = 8) -> int:
+    from gradsched.sizing.device_attention import priced_as
+    from gradsched.training.live_bytes import LiveBytes
+    q = torch.empty(1, 8, seq, 64, device="meta", dtype=dtype, requires_grad=True)
+    k, v = (torch.empty(1, kv_heads, seq, 64, device="meta", dtype=dtype, requires_grad=True) for _ in range(2))
+    with priced_as(device), LiveBytes("fake") as live:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads != 8)
+        out.sum().backward()
+    return live.peak
+
+
+@pytest.mark.parametrize("device,dtype,kv_heads", [("cuda", torch.bfloat16, 2), ("cuda", torch.float32, 8),
+                                                   ("cpu", torch.bfloat16, 8)])
+def test_attention_on_meta_is_priced_as_the_devices_kernel_linear_in_the_sequence(device, dtype, kv_heads):
+    # the math kernel meta would pick keeps [B, H, S, S] scores: 4x the bytes for 2x the tokens
+    short, long = (_attention_peak(device, s, dtype, kv_heads) for s in (2048, 4096))
+    assert long <= 2.2 * short, (short, long)
+    assert short < 8 * 2048 * 2048 * dtype.itemsize  # less than one head-batch of scores
+
+
 def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
     pytest.importorskip("transformers")
     run = subprocess.run([sys.executable, "-m", "gradsched.dryrun", "--model", "llama-tiny", "--pp", "2", "--dp", "2",
@@ -160,6 +181,55 @@ def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
     assert "stage 0 (ranks 0-3)" in out and "stage 1 (ranks 4-7)" in out
     assert out.count("flush graph: ok, 1 tie(s) proven") == 2
     assert "all_gather_into_tensor over grad" in out and "over cp" in out
+
+
+QWEN2 = {"model_type": "qwen2", "vocab_size": 96, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True,
+         "max_position_embeddings": 128}
+
+
+def qwen2_stage_numels(c: dict) -> list[int]:
+    """Parameters of each of two stages (one layer each), by hand: stage 0 the embedding, stage 1 the final norm
+    and the tied head's copy (pipelining's split keeps one on each stage)."""
+    h, kv_dim = c["hidden_size"], c["num_key_value_heads"] * c["hidden_size"] // c["num_attention_heads"]
+    layer = (h * h + h) + 2 * (h * kv_dim + kv_dim) + h * h + 3 * h * c["intermediate_size"] + 2 * h  # q, k v, o, mlp
+    embedding = c["vocab_size"] * h
+    return [embedding + layer, layer + h + embedding]
+
+
+def _roles(argv: list, tmp_path) -> list[dict]:
+    from gradsched.dryrun import main
+    out = tmp_path / "roles.jsonl"
+    assert main(argv + ["--json", str(out)]) == 0
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def test_a_hugging_face_config_file_is_dry_run_and_its_state_is_the_hand_count(tmp_path):
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    roles = _roles(["--config", str(path), "--pp", "2", "--dp", "2", "--seq", "32", "--shard", "false",
+                    "--dtype", "float32"], tmp_path)
+    for role, numel in zip(roles, qwen2_stage_numels(QWEN2)):
+        assert role["params"] == 4 * numel and role["grads"] == 4 * numel  # fp32, whole under shard=False
+        assert role["optimizer"] >= 8 * numel  # AdamW's two moments (and its step counters)
+        assert "1 tie(s) proven" in role["verdict"]
+
+
+def test_a_users_module_factory_is_dry_run_with_its_own_split_points_and_plotted(tmp_path):
+    import matplotlib.image
+    from dryrun_factory import CONFIG, tiny_gpt
+    png = tmp_path / "plan.png"
+    roles = _roles(["--module", "dryrun_factory:tiny_gpt", "--pp", "2", "--seq", "32", "--shard", "false",
+                    "--dtype", "float32", "--device", "cpu", "--plot", str(png), "--device-memory", "1MiB"], tmp_path)
+    image = matplotlib.image.imread(png)
+    assert image.ndim == 3 and image.shape[0] > 100 and image.shape[1] > 100
+    model, _ = tiny_gpt()
+    whole = sum(p.numel() for p in model.parameters())  # one tied weight, counted once
+    vocab_dim = CONFIG.vocab * CONFIG.dim
+    assert [r["stage"] for r in roles] == [0, 1]
+    assert sum(r["params"] for r in roles) == 4 * (whole + vocab_dim)  # the tied weight on both stages
+    assert all("1 tie(s) proven" in r["verdict"] for r in roles)
 
 
 def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():

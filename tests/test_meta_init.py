@@ -86,6 +86,14 @@ def test_a_tensor_the_model_does_not_name_is_refused_rather_than_given_arbitrary
         initialize(stage, init_tiny_gpt, names)
 
 
+def test_initialize_on_a_model_still_on_meta_says_to_allocate_first():
+    with torch.device("meta"):
+        model = TinyGPT()
+    with pytest.raises(ValueError, match=r"'wte.weight' \(and \d+ more\) is still on the meta device: allocate "
+                                         r"first \(module.to_empty"):
+        initialize(model, init_tiny_gpt, first_names(model))
+
+
 def test_a_meta_model_without_init_weights_is_refused_at_its_first_step_naming_what_to_pass():
     # accepted by parallelize (the dry run trains it on meta inputs), refused before the first step's collectives
     [message] = run_ranks(meta_model_without_init, 1)

@@ -56,6 +56,11 @@ def test_pp2_dp2_matches_the_single_process_reference(runs):
     assert ranks[0]["ties"] == [((0, "wte.weight"), (1, "lm_head.weight"))]
 
 
+def test_under_pp2_the_users_model_keeps_only_this_ranks_stage(runs):
+    for r in runs["pp2_dp2"]:  # a model built for real: the other stage's weights are released after the split
+        assert 0 < r["unsplit_numel_held"] <= r["stage_numel"], (r["unsplit_numel_held"], r["stage_numel"])
+
+
 def test_dp4_without_pipeline_matches_the_reference_and_needs_no_tie_group(runs):
     ref, ranks, cmp = trained(runs, "dp4")
     assert_matches_reference(ref, ranks, cmp)

@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradsched.passes.agreement import AgreementSpec, insert_agreement
 from gradsched.passes.graph_utils import collective_group, is_collective
 from gradsched.sync.fingerprint import CollectiveMismatch, describe, first_difference
+from gradsched.sync.peers import KNOWN_CAUSES
 
 READ_TIMEOUT_S = 5.0  # a peer's published sequence: written long before, at its compile
 MAX_PENDING = 4096  # copies noted and not yet compared: past this, wait for the device and compare
@@ -94,15 +95,25 @@ def with_agreement(gm: fx.GraphModule, what: str) -> fx.GraphModule:
 def settling(run):
     """A compiled graph's boxed callable that first compares the digests earlier runs gathered (those on the
     host already), and names a known mismatch when one of its collectives fails."""
-    def call(args):
+    return _Settling(run)
+
+
+class _Settling:
+    _boxed_call = True
+
+    def __init__(self, run):
+        self.run = run
+
+    def __call__(self, args):
         settle()
         try:
-            return run(args)
+            return self.run(args)
         except Exception as e:
             explain(e)
             raise
-    call._boxed_call = True
-    return call
+
+    def __getattr__(self, name):  # what the compiled callable offers (Inductor's source_code, ...)
+        return getattr(self.run, name)
 
 
 def settle(wait: bool = False) -> None:
@@ -130,6 +141,9 @@ def known_mismatch(store=None) -> str | None:
     except Exception:  # noqa: BLE001 - a diagnosis never replaces the error it explains
         pass
     return None
+
+
+KNOWN_CAUSES.append(lambda store: (CollectiveMismatch, m) if (m := known_mismatch(store)) else None)
 
 
 def explain(exc: BaseException) -> None:

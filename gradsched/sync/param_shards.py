@@ -27,6 +27,13 @@ from gradsched.sync.sync_plan import gather_dtype, plan_layout
 from gradsched.sync.watchdog import JOURNAL
 
 
+def all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
+    """Eager all-gather of `x` from every rank of `group` into `out`, by torch's current name for it
+    (all_gather_into_tensor is deprecated in favour of all_gather_single)."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, x, group=group)
+
+
 @dataclass
 class ParamShards:
     layout: BucketLayout
@@ -60,7 +67,7 @@ class ParamShards:
             full = torch.empty(b.numel, dtype=dtype, device=shard.device)
             with JOURNAL.entry(f"shard='params': all-gather of bucket {b.index}'s parameters, to read them whole",
                                "collective", pg, "all_gather", b.numel, dtype):
-                dist.all_gather_into_tensor(full, shard, group=pg)
+                all_gather(full, shard, pg)
             for s in b.slots:
                 out[s.name] = full[s.offset:s.offset + s.numel].view(s.shape).to(self.params[s.name].dtype).clone()
         return out

@@ -3,7 +3,9 @@
 Liveness is judged from beat counters seen changing on this rank's own monotonic clock (`seen`),
 never by comparing two hosts' clocks; a process on this host (same boot and pid namespace) is
 gone when its pid is. The functions take the journal (gradsched.sync.watchdog) whose store,
-lock, `seen` and `failures` they read and update.
+lock, `seen` and `failures` they read and update. Also: whether an error is the transport's (a peer
+gone) rather than this rank's own (`is_comm_error`), and causes of a failed collective this rank
+already knows without asking anyone (`known_cause`).
 """
 from __future__ import annotations
 
@@ -183,3 +185,27 @@ class HostWatchedStore:
                                             "has exited")
             return attr(*args, **kwargs)
         return call
+
+
+# functions(store or None) -> (exception class, message) or None: a cause of failed or stalled collectives that
+# this rank already knows without waiting (gradsched.sync.agreement registers the ranks' differing graphs)
+KNOWN_CAUSES: list = []
+
+
+def known_cause(store=None):
+    return next((c for c in (f(store) for f in KNOWN_CAUSES) if c), None)
+
+
+def is_comm_error(exc: BaseException) -> bool:
+    """An error of the transport (a peer is gone, a collective timed out), not of this rank's own code: the
+    error itself or any in its chain (pipelining and Dynamo wrap the transport's error in their own)."""
+    types = tuple(t for t in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if t)
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        text = str(exc)
+        if isinstance(exc, types) or any(s in text for s in (
+                "Connection closed by peer", "Connection reset by peer", "gloo/transport", "Broken pipe")):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradsched.sync.param_shards import all_gather
 from gradsched.sync.watchdog import JOURNAL
 
 BUCKET_BYTES = 256 * 2**20  # one broadcast carries up to this many bytes of one dtype (a larger tensor: alone)
@@ -64,8 +65,7 @@ def make_tensors_equal(named: list[tuple[str, str, torch.Tensor]], plan) -> None
     digests = torch.full((plan.world,), mine, dtype=torch.int64, device=device)  # a fake group leaves it: equal
     with JOURNAL.entry("the structure digests of every stage's replicas (their parameters and buffers)",
                        "collective", world_group, "all_gather", plan.world, torch.int64):
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        gather(digests, torch.tensor([mine], dtype=torch.int64, device=device), group=world_group)
+        all_gather(digests, torch.tensor([mine], dtype=torch.int64, device=device), world_group)
     found = digests.tolist()
     firsts = {r: _first_replica(plan, r) for r in range(plan.world)}
     if any(found[r] != found[firsts[r]] for r in range(plan.world)):

@@ -44,8 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from gradsched.sync import peers, stuck
-from gradsched.sync.agreement import explain as _explain, known_mismatch
-from gradsched.sync.peers import INTERVAL_S
+from gradsched.sync.peers import INTERVAL_S, is_comm_error, known_cause as _known_cause  # noqa: F401 - is_comm_error: its old home
 
 GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an entry waits for its own error
 STORE_TIMEOUT_S = 5.0
@@ -134,7 +133,8 @@ class _Journal:
                     type(exc).__name__ == "CollectiveMismatch":
                 raise  # named already
             if is_comm_error(exc):
-                _explain(exc)  # the ranks ran different collectives: that is why it failed (agreement)
+                if cause := _known_cause():  # e.g. the ranks ran different collectives (agreement)
+                    raise cause[0](cause[1]) from exc
                 raise CollectiveFault(self.diagnose(e, exc)) from exc
             if len(self.open) == 1:  # this rank's own error, leaving gradsched: the peers will ask why
                 post_failure(exc)
@@ -212,21 +212,6 @@ def _post(j: _Journal, why: str) -> None:
     _publish(j)
     if j.store is not None and dist.is_initialized():
         peers.append(j, [dist.get_rank(), f"failed: {why}", j.where, "error", j.beat])
-
-
-def is_comm_error(exc: BaseException) -> bool:
-    """An error of the transport (a peer is gone, a collective timed out), not of this rank's own code: the
-    error itself or any in its chain (pipelining and Dynamo wrap the transport's error in their own)."""
-    types = tuple(t for t in (getattr(dist, "DistBackendError", None), getattr(dist, "DistNetworkError", None)) if t)
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        text = str(exc)
-        if isinstance(exc, types) or any(s in text for s in (
-                "Connection closed by peer", "Connection reset by peer", "gloo/transport", "Broken pipe")):
-            return True
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def _publish_now(j: _Journal) -> None:
@@ -372,8 +357,8 @@ def _end(j: _Journal, report: str, post_all: bool | None = True) -> None:
     """Post the report (up to its trace; its first line only with post_all=False; nothing with None), print it
     with its first line last (a log's last line says why), hand it to the hooks, and end the process (rank 0,
     the store's host, last)."""
-    mismatch = known_mismatch(j.store)  # the digests this rank gathered may already say why
-    report = f"CollectiveMismatch: {mismatch}\n{report}" if mismatch else report
+    cause = _known_cause(j.store)  # e.g. the digests this rank gathered already say why
+    report = f"{cause[0].__name__}: {cause[1]}\n{report}" if cause else report
     summary, _, details = report.partition("\n")
     if post_all is not None:
         _post(j, report.split("This rank's last entries:")[0].strip() if post_all else summary.strip())

@@ -72,6 +72,11 @@ def initialize(module: nn.Module, init_weights, canonical: dict[str, str], seed:
     """Fill every tensor of `module` (named as in the unsplit model) with init_weights(name, tensor), torch's RNG
     seeded from the tensor's canonical name and `seed` (restored afterwards)."""
     named = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    on_meta = [name for name, t in named if t.is_meta]
+    if on_meta:
+        raise ValueError(f"initialize() fills allocated tensors, but {on_meta[0]!r} (and {len(on_meta) - 1} more) is "
+                         "still on the meta device: allocate first (module.to_empty(device=...)), or let "
+                         "gradsched.parallelize(model, init_weights=...) allocate and initialize each stage.")
     devices = sorted({t.device for _, t in named if t.device.type == "cuda"}, key=str)
     with torch.random.fork_rng(devices=devices):
         for name, t in named:
