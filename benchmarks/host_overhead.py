@@ -15,7 +15,8 @@ warm up (compiles); steps 5 to 25 are timed; then 5 more run under cProfile. One
   vs_ddp                  step_ms_median / DDP's, from this run
   host_ms_per_microbatch  the implementation's own Python per micro-batch, from the profile: the self time
                           of its functions (gradsched/, DDP's or FSDP2's modules) and of the C calls they
-                          make directly (the tensor ops of its checks), over the profiled steps' micro-batches,
+                          make directly (the tensor ops of its checks; not collectives or their waits, which
+                          block the host on gloo only), over the profiled steps' micro-batches,
                           plus for gradsched its watchdog thread's CPU time; the largest over ranks. cProfile
                           slows every Python call it sees: an upper bound.
   pipelining_ms_per_microbatch   (gradsched at pp > 1) the same for torch.distributed.pipelining's schedule
@@ -92,13 +93,14 @@ class Trainer:
 
 
 def own_ms(stats: pstats.Stats, paths: tuple) -> float:
-    """Self time of the functions in `paths` and of the C calls they make directly, in ms."""
+    """Self time of the functions in `paths` and of the C calls they make directly, in ms; a collective or a
+    wait for one is communication (on gloo it blocks the host), not host overhead: left out."""
     mine = lambda func: any(p in func[0].replace("\\", "/") for p in paths)  # noqa: E731
     total = 0.0
     for func, (_, _, tt, _, callers) in stats.stats.items():
         if mine(func):
             total += tt
-        elif func[0] == "~":  # a built-in: count what these functions' calls to it took
+        elif func[0] == "~" and "c10d" not in func[2]:  # a built-in: what these functions' calls to it took
             total += sum(c[2] for caller, c in callers.items() if mine(caller))
     return 1e3 * total
 

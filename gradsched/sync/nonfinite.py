@@ -38,7 +38,7 @@ class StepFlags:
     """This rank's observations during one step, on the device (no host read)."""
 
     def __init__(self):
-        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64: 1 where that kind went non-finite
+        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64: > 0 where that kind went non-finite
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0
@@ -60,9 +60,9 @@ class StepFlags:
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
         if not ts:
             return
-        bad = torch.stack([(~torch.isfinite(t.detach())).any() for t in ts]).any().to(torch.float64)
-        flags = self._flags(ts[0].device)
-        flags[kind - 1] = torch.maximum(flags[kind - 1], bad)
+        finite = [torch.isfinite(t.detach()).all() for t in ts]
+        ok = finite[0] if len(finite) == 1 else torch.stack(finite).all()
+        self._flags(ts[0].device)[kind - 1].add_(~ok)  # > 0: went non-finite (a count, never read here)
 
     def _flags(self, device) -> torch.Tensor:
         if self.flags is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from gradsched.plan import ParallelPlan
 from gradsched.sync.watchdog import JOURNAL
@@ -31,8 +32,9 @@ def global_count(targets: torch.Tensor, plan: ParallelPlan, ignore_index: int) -
     total = labelled(targets, ignore_index)
     if len(plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
         pg = plan.process_group("grad")
+        # issued, not waited for: the first micro-batch's loss weight waits, its forward overlapping it
         with JOURNAL.entry("the global batch's labelled-token count", "collective", pg, "all_reduce", 1, total.dtype):
-            dist.all_reduce(total, group=pg)
+            total = funcol.all_reduce(total, "sum", pg)
     return total
 
 
@@ -48,7 +50,7 @@ class _GradientUnless(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         keep, = ctx.saved_tensors
-        return torch.where(keep, grad, torch.zeros_like(grad)), None
+        return torch.where(keep, grad, 0.0), None
 
 
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int, observe):
@@ -56,13 +58,12 @@ def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, igno
     micro-batch whose targets are all ignore_index contributes exact zeros, decided on the device."""
     n = labelled(target, ignore_index)
     keep = n > 0  # never read on the host
-    gated = torch.utils._pytree.tree_map(
-        lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t, out)
-    loss = loss_fn(gated, target)
-    loss = torch.where(keep, loss, torch.zeros_like(loss))  # 0/0 on an empty micro-batch: exact zero instead
+    gate = lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
+    gated = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
+    loss = torch.where(keep, loss_fn(gated, target), 0.0)  # 0/0 on an empty micro-batch: exact zero instead
     observe(loss)
     weight = n * len(plan.group_ranks("grad")) / total  # n <= total: where keep, total > 0
-    return torch.where(keep, loss * weight.to(loss.dtype), torch.zeros_like(loss))
+    return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
 def global_loss(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None) -> torch.Tensor:
