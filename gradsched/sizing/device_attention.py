@@ -22,6 +22,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gradsched.cp.ring_blocks import expand_heads
+
 DEVICES = ("cuda", "cpu")
 
 
@@ -31,20 +33,15 @@ def _bias(mask: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor | None:
     return torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
 
 
-def _repeat_heads(q, k, v):
-    r = q.shape[-3] // k.shape[-3]
-    return (k, v) if r == 1 else (k.repeat_interleave(r, -3), v.repeat_interleave(r, -3))
-
-
 def _attention(device: str, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     scale = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
     if device == "cpu":
-        k, v = _repeat_heads(q, k, v)
+        k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
     if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16):
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)[0]
-    k, v = _repeat_heads(q, k, v)
+    k, v = expand_heads(k, q.shape[1]), expand_heads(v, q.shape[1])
     return torch.ops.aten._scaled_dot_product_efficient_attention(
         q, k, v, _bias(attn_mask, q), True, 0.0, is_causal, scale=scale)[0]
 

@@ -1,0 +1,38 @@
+"""A micro-batch's share of the step's loss, decided on the device (gradsched.training.loss_weights): one without a
+labelled token contributes exact zeros, to the loss and to the gradients, whatever the user's loss does with 0/0."""
+import torch
+
+from gradsched.training.loss_weights import weighted
+
+
+class OneRank:  # what weighted() reads of the plan: a gradient group of one rank
+    def group_ranks(self, kind):
+        return [0]
+
+
+def masked_mean(out, target):
+    """A user's mean over labelled tokens, written by hand: 0/0 forward and backward when none is labelled."""
+    keep = (target != -100).to(out.dtype)
+    return ((out.squeeze(-1) - target.clamp(min=0).to(out.dtype)) ** 2 * keep).sum() / keep.sum()
+
+
+def test_an_all_ignored_micro_batch_gives_exact_zeros_even_where_the_users_loss_is_0_over_0():
+    out = torch.randn(2, 3, 1, requires_grad=True)
+    seen = []
+    loss = weighted(masked_mean, out, torch.full((2, 3), -100), torch.tensor(5.0, dtype=torch.float64), OneRank(),
+                    -100, seen.append)
+    loss.backward()
+    assert torch.equal(loss.detach(), torch.zeros(())) and torch.equal(seen[0].detach(), torch.zeros(()))
+    assert torch.equal(out.grad, torch.zeros_like(out))  # not NaN: the user's backward divides by zero
+
+
+def test_a_labelled_micro_batch_is_its_mean_times_its_share_of_the_global_batch_in_fp64():
+    out = torch.randn(2, 3, 1, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([[1, -100, 2], [-100, -100, 3]])
+    total = torch.tensor(7.0, dtype=torch.float64)  # labelled tokens of the whole global batch
+    loss = weighted(masked_mean, out, target, total, OneRank(), -100, lambda _: None)
+    loss.backward()
+    ref_out = out.detach().clone().requires_grad_()
+    ref = masked_mean(ref_out, target) * 3 / 7  # 3 labelled here, 7 in the global batch
+    ref.backward()
+    assert torch.equal(loss.detach(), ref.detach()) and torch.equal(out.grad, ref_out.grad)
