@@ -48,6 +48,7 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import time
 
@@ -209,8 +210,10 @@ class _nothing:
         return False
 
 
-def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, backend: str) -> int | None:
-    """The dry run's peak for gradsched's implementations (the largest over stages)."""
+def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, backend: str,
+                   device: str) -> int | None:
+    """The dry run's peak for gradsched's implementations (the largest over stages), attention priced as
+    `device` runs it."""
     if not impl.startswith("gradsched"):
         return None
     from gradsched.dryrun import dry_run
@@ -219,7 +222,7 @@ def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, b
         model = TinyGPT(job.config)
     roles = dry_run(model, lm_loss, pp=job.pp, dp=job.dp, cp=1, batch=batch_per_rank, seq=job.config.seq,
                     split_points=["blocks.4"] if job.pp > 1 else (),
-                    optimizer_kwargs={"lr": LR, "weight_decay": WEIGHT_DECAY}, progress=lambda s: None, backend=backend,
+                    optimizer_kwargs={"lr": LR, "weight_decay": WEIGHT_DECAY}, progress=lambda s: None, backend=backend, device=device,
                     shard="params" if impl == "gradsched_params" else True, bucket_mb=bucket_mb)
     return max(r.peak for r in roles)
 
@@ -258,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--batch-per-rank", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=CONFIG.seq, help="tokens per sequence (attention's share of the "
+                    "peak grows with it: the dry run's pricing of the device's kernel is checked at two lengths)")
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--compiler", default="eager", choices=("eager", "inductor"))
     ap.add_argument("--bucket-mb", type=float, default=None, help="gradsched's bucket_mb; default: one block's "
@@ -278,7 +283,8 @@ def main(argv=None) -> int:
         ap.error("--device cuda: no CUDA device here")
     suffix = "_cuda" if args.device == "cuda" else "_fake" if fake else ""
     out = args.out if args.out is not None else RESULTS / f"memory_pp{args.pp}_dp{args.dp}{suffix}.jsonl"
-    job = Job(pp=args.pp, dp=args.dp, steps=args.steps, global_batch=args.dp * args.batch_per_rank, config=CONFIG,
+    job = Job(pp=args.pp, dp=args.dp, steps=args.steps, global_batch=args.dp * args.batch_per_rank,
+              config=dataclasses.replace(CONFIG, seq=args.seq),
               optimizer="adamw", lr=LR)
     if args.bucket_mb is None:  # one block, as FSDP2 is wrapped: both move the same bytes at a time
         block = build_model(job)[0].blocks[0]
@@ -307,14 +313,15 @@ def main(argv=None) -> int:
             one_err = max_abs_diff([ref], exact)
             if args.debug:
                 print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
-        rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "compiler": args.compiler,
+        rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "seq": args.seq, "compiler": args.compiler,
                      "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                      "world": "fake (rank 0 in one process, no communication)" if fake else "gloo processes",
                      "bucket_mb": args.bucket_mb if impl.startswith("gradsched") else None,
                      "parameters": numel, "state_bytes_per_rank": max(r["state_bytes"] for r in ranks),
                      "state_bytes_whole": 16 * numel, "peak_bytes_per_rank": max(r["peak_bytes"] for r in ranks),
                      "predicted_peak_bytes": predicted_peak(impl, job, args.batch_per_rank, args.bucket_mb,
-                                                            "nccl" if args.device == "cuda" else "fake" if fake else "gloo"),
+                                                            "nccl" if args.device == "cuda" else "fake" if fake else "gloo",
+                                                            args.device),
                      "step_ms_median": round(1e3 * median_of_slowest(ranks), 1),
                      "max_abs_param_diff_vs_one_process": diff,
                      "max_abs_param_err_vs_fp64": err, "one_process_max_abs_param_err_vs_fp64": one_err})

@@ -37,11 +37,12 @@ def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard
     check = nonfinite.check
 
     def allowed(*args, **kwargs):  # the step's one read, at its end
+        mode = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode(0)
         try:
             return check(*args, **kwargs)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
     monkeypatch.setattr(nonfinite, "check", allowed)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -53,7 +54,7 @@ def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard
                                       check_ranks=False)
         opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
         for step in range(job.steps):
-            x, y = (t[:4].cuda() for t in batch(job, step))
+            x, y = (t[:4].cuda() for t in batch(job, step))  # waits (pageable memory): outside the step
             with sync_is_an_error() if step >= 2 else contextlib.nullcontext():
                 model.train_step(x, y)
                 opt.step()
@@ -68,9 +69,10 @@ def test_the_agreement_after_its_first_run_queues_its_check_without_waiting_and_
 
     monkeypatch.setattr(agreement, "_mismatch", lambda found, *a, **k: f"gathered {found}")  # no peers to name
     monkeypatch.setattr(agreement, "_READ", {("a group", 1234)})  # as after the digest's first run
+    same, differing = torch.tensor([1234, 1234], device="cuda"), torch.tensor([1234, 99], device="cuda")
     with sync_is_an_error():
-        zero = torch.ops.gradsched.agree(torch.full((2,), 1234, device="cuda"), 1234, "a group")
-        nan = torch.ops.gradsched.agree(torch.tensor([1234, 99], device="cuda"), 1234, "a group")
+        zero = torch.ops.gradsched.agree(same, 1234, "a group")
+        nan = torch.ops.gradsched.agree(differing, 1234, "a group")
     assert zero.item() == 0.0 and torch.isnan(nan).item()
     with pytest.raises(CollectiveMismatch, match=r"gathered \[1234, 99\]"):
         agreement.settle(wait=True)
