@@ -43,7 +43,9 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from gradsched.hf import LLAMA, from_config, llama
+from gradsched.sizing.accounting import account, by_group, held_bytes, verdict
 from gradsched.sizing.device_attention import DEVICES, priced_as
+from gradsched.sizing.report import describe, parse_bytes, size
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
 
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
@@ -59,6 +61,9 @@ class Role:
     masters: int = 0  # fp32 master copies that are not the parameters' shards themselves
     optimizer: int = 0  # optimizer state
     peak: int = 0  # held at the step's start + the highest sum of what its ops created
+    held: int = 0  # of which: held at the third step's start
+    transient: int = 0  # of which: the most the step's ops held at once above that
+    saved: int = 0  # what they held after the first micro-batch's forward (its saved activations, its output)
     collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
     p2p: dict = field(default_factory=dict)  # "activations received" / "their gradients sent back" -> bytes per step
     buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
@@ -157,11 +162,11 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             role = Role(stage, f"{rank}-{rank + dp * cp - 1}" if dp * cp > 1 else str(rank))
             inputs = chunks if stage == 0 else [_stage_args(pipe[0], stage, sent, i) for i in range(m)]
             for step in range(STEPS):
-                held = _held(pm, opt)
+                held = held_bytes(pm, opt)
                 with LiveBytes(backend) as live:
-                    outs = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m)
+                    outs, saved = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
                     if step == STEPS - 1:
-                        _account(role, pm, opt)
+                        account(role, pm, opt)
                     opt.step()
                     opt.zero_grad()
                 # + torch's pipeline stage's buffers, made once and kept across steps: one set of received
@@ -169,7 +174,8 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
                 received = m * storage_bytes(inputs[0]) if stage else 0
                 grads_in = m * sum(_nbytes(*t) for t in outs[0] if t[3]) if stage < pp - 1 else 0
                 role.peak = held + live.peak + received + grads_in + RUNTIME[backend]
-            role.collectives = _by_group(live.collectives, plan, pm)
+                role.held, role.transient, role.saved = held, live.peak, saved
+            role.collectives = by_group(live.collectives, plan, pm)
             sent.append([[_like(*t) for t in o] for o in outs])  # what later stages receive
             if stage > 0:
                 role.p2p["activations received"] = m * storage_bytes(inputs[0])
@@ -179,7 +185,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             built.append(pm.grad_sync)
             progress(f"dry run: stage {stage} of {pp} measured in {role.seconds:.0f} s")
         for role, sync in zip(roles, built):
-            role.verdict = _verdict(sync, built)
+            role.verdict = verdict(sync, built)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -211,10 +217,10 @@ def _nbytes(shape, dtype, device, requires_grad) -> int:
     return shape.numel() * dtype.itemsize
 
 
-def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int):
+def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
     """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
-    (shape, dtype, device, requires_grad)."""
-    outs, pending = [None] * m, {}
+    (shape, dtype, device, requires_grad), and what `live` counted after the first forward."""
+    outs, pending, saved = [None] * m, {}, None
     last = stage == pp - 1
     for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
         if kind == "F":
@@ -224,6 +230,7 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int):
             outs[i] = [(t.shape, t.dtype, t.device, t.requires_grad) for t in leaves]
             pending[i] = pm.loss_fn(out, targets[i]) if last else leaves
             del out, leaves
+            saved = live.now if saved is None else saved
             continue
         with pm.grad_sync.step_boundary(last=i == m - 1):
             if last:
@@ -232,66 +239,7 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int):
                 grads = [t for t in pending.pop(i) if t.requires_grad]
                 torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
     pm.grad_sync.flush()
-    return outs
-
-
-def _held(pm, opt) -> int:
-    """Bytes of training state the rank holds now (distinct storages)."""
-    sync = pm.grad_sync
-    if sync is None or sync.built is None:
-        return 0
-    inner = opt.optimizer
-    shards = list(sync.param_shards.shards.values()) if sync.param_shards is not None else []
-    state = [v for s in inner.state.values() for v in s.values()] if inner is not None else []
-    return storage_bytes([*sync.params.values(), *(p.grad for p in sync.params.values()), *sync.reduced(),
-                          *shards, *opt.masters, *state])
-
-
-def _account(role: Role, pm, opt) -> None:
-    """Split what the rank holds as its optimizer is about to step."""
-    sync = pm.grad_sync
-    shards = sync.param_shards
-    params = list(shards.shards.values()) if shards is not None else list(sync.params.values())
-    role.params = storage_bytes(params)
-    role.grads = storage_bytes([*sync.reduced(), *(p.grad for p in sync.params.values())])
-    role.masters = storage_bytes([*params, *opt.masters]) - role.params  # fp32 shards are their own masters
-    role.optimizer = storage_bytes([v for s in opt.optimizer.state.values() for v in s.values()])
-    role.buckets = [b.numel for b in sync.sync_plan.layout.buckets]
-
-
-def _by_group(tally: dict, plan, pm) -> dict:
-    names = {plan.process_group(k).group_name: k for k in ("grad", "dp", "cp", "pp")}
-    for key, g in pm.grad_sync.setup.tie_groups.items():
-        names[g.name] = f"tie {key}"
-    out = {}
-    for (op, group), n in sorted(tally.items()):
-        label = f"{op} over {names.get(group, 'group ' + group)}"
-        out[label] = out.get(label, 0) + n
-    return out
-
-
-def _verdict(sync, built) -> str:
-    """The verifier over this stage's sync graphs, each tie checked with every holding stage's layout."""
-    from gradsched.passes import TieCheck, TieLayout, verify_graph
-    layouts = {}
-    for other in built:
-        plan = other.sync_plan
-        for name, tie in other.setup.ties.items():
-            bucket, slot = plan.layout.locate(name)
-            layouts.setdefault(tie.key, []).append(TieLayout(other.setup.rank, name, bucket.index, slot.offset,
-                                                             slot.numel, bucket.numel, plan.layout.shards))
-    lines = []
-    for sg in sync.sync_graphs():
-        names = {s.name for b in sg.layout.buckets for s in b.slots}
-        ties = {n: t for n, t in sync.setup.ties.items() if n in names}
-        checks = [TieCheck(t.key, sync.sync_plan.tie_groups[t.key].name, sg.record.sources[n], layouts[t.key], {})
-                  for n, t in sorted(ties.items(), key=lambda kv: kv[1].key)]
-        v = verify_graph(sg.gm, checks, sync.setup.rank)
-        if not v.ok:
-            lines.append(f"{sg.where} graph: HAZARD: " + " ".join(v.hazards))
-        else:
-            lines.append(f"{sg.where} graph: ok, " + (f"{len(v.proofs)} tie(s) proven" if checks else "no ties"))
-    return "; ".join(lines)
+    return outs, saved
 
 
 def main(argv=None) -> int:
@@ -324,7 +272,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="also write the roles as JSON lines here")
     ap.add_argument("--plot", default=None, help="also draw each stage's memory as stacked bars into this PNG")
     ap.add_argument("--device-memory", default="80GiB", help="the device memory line of --plot (e.g. 80GiB, 141GiB)")
+    ap.add_argument("--fit", default=None, metavar="MEMORY", help="instead of one plan: every layout of --gpus "
+                    "ranks priced (gradsched.sizing.fit: how, and the ranking's cost), those that fit MEMORY first")
+    ap.add_argument("--gpus", type=int, default=None, help="--fit: ranks to lay out")
+    ap.add_argument("--global-batch", type=int, default=None, help="--fit: sequences per step (default: --gpus)")
+    ap.add_argument("--top", type=int, default=10, help="--fit: plans listed")
+    ap.add_argument("--flops", type=float, default=4e14, help="--fit: a rank's FLOP/s, for the ranking")
+    ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
     args = ap.parse_args(argv)
+    if args.fit:
+        return _fit(args)
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
     name, split_points = args.module or args.config or args.model, None
@@ -347,7 +304,7 @@ def main(argv=None) -> int:
     print(f"dry run: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
           f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
-          + (f"; each peak includes the {_size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's "
+          + (f"; each peak includes the {size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's "
              "workspaces)" if args.device == "cuda" else ""), flush=True)
     t0 = time.perf_counter()
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -356,12 +313,12 @@ def main(argv=None) -> int:
                     microbatches=m, bucket_mb=args.bucket_mb,
                     progress=lambda s: print(s, flush=True))
     for r in roles:
-        print(_describe(r))
-    print(f"dry run: {time.perf_counter() - t0:.0f} s; largest peak {_size(max(r.peak for r in roles))} "
+        print(describe(r))
+    print(f"dry run: {time.perf_counter() - t0:.0f} s; largest peak {size(max(r.peak for r in roles))} "
           f"(stage {max(roles, key=lambda r: r.peak).stage})")
     if args.plot:
         from gradsched.sizing.plot import plot_roles
-        plot_roles(roles, args.plot, _bytes(args.device_memory), f"{name}: pp={args.pp} x dp={args.dp} x cp={args.cp}, "
+        plot_roles(roles, args.plot, parse_bytes(args.device_memory), f"{name}: pp={args.pp} x dp={args.dp} x cp={args.cp}, "
                    f"shard={shard!r}, {m} micro-batches, {args.seq} tokens, priced as {args.device}")
     if args.json:
         with open(args.json, "w") as f:
@@ -372,28 +329,56 @@ def main(argv=None) -> int:
     return 0
 
 
+def probe(build, seq: int, device: str, backend: str, **options):
+    """gradsched.sizing.fit's measure: build(layers, checkpointing) -> (model on meta, layers); each call dry-runs
+    two stages of `layers` each (micro-batches of `seqs` sequences, one unless said), and returns for both stages
+    (saved, the rest of the transient): what the first forward left alive, and the most the step held above that."""
+    def measure(layers, seqs, cp, checkpointing, shard, microbatches=1):
+        roles = dry_run(build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp, batch=seqs * microbatches,
+                        seq=seq, split_points=even_split_points(2 * layers, 2), shard=shard, device=device,
+                        backend=backend, microbatches=microbatches, progress=lambda s: None, **options)
+        return [(r.saved, r.transient - r.saved) for r in (roles[0], roles[-1])]
+    return measure
+
+
+def _fit(args) -> int:
+    from gradsched.sizing import fit
+    if args.module or not args.gpus:
+        raise SystemExit("--fit: give --gpus, and a model by --model or --config (its layers are cut to measure "
+                         "a few; a --module cannot be)")
+    dtype, t0 = getattr(torch, args.dtype), time.perf_counter()
+    build = lambda layers, ckpt: (from_config(args.config, dtype, args.tie, ckpt, layers) if args.config  # noqa
+                                  else llama(args.model, dtype, args.tie, ckpt, layers))
+    model, layers = build(None, False)
+    shape, batch = fit.model_shape(model, dtype.itemsize), args.global_batch or args.gpus
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    measure = probe(build, args.seq, args.device, backend, bucket_mb=args.bucket_mb)
+    cands = fit.candidates(args.gpus, layers, args.seq, batch, checkpointing=(False, True))
+    print(f"fit: {len(cands)} layouts of {args.gpus} ranks, {batch} sequences of {args.seq} tokens a step", flush=True)
+    priced = fit.search(shape, cands, measure, args.seq, batch, parse_bytes(args.fit), RUNTIME[backend], args.flops,
+                        args.bandwidth, progress=lambda s: print(s, flush=True))
+    ok = [p for p in priced if p.fits]
+    print(f"fit: {len(ok)} of {len(priced)} fit {args.fit} by the estimate ({time.perf_counter() - t0:.0f} s); ranked by "
+          "estimated step time = compute / (1 - bubble) + bytes / bandwidth. An estimate from probes of 1 and 2 layers "
+          "(gradsched.sizing.fit): confirm the plan you pick with a full dry run, e.g.")
+    if ok:
+        c = ok[0].candidate
+        print(f"  python -m gradsched.dryrun {'--config ' + args.config if args.config else '--model ' + args.model} "
+              f"--pp {c.pp} --dp {c.dp} --cp {c.cp} --shard {str(c.shard).lower()} --microbatches {c.microbatches} "
+              f"--batch {batch // c.dp} --seq {args.seq}{' --checkpointing' if c.checkpointing else ''}")
+    for p in ok[:args.top]:
+        c = p.candidate
+        print(f"  pp={c.pp} dp={c.dp} cp={c.cp} shard={c.shard!r} microbatches={c.microbatches} checkpointing="
+              f"{c.checkpointing}: peak {size(p.peak)} (stage {p.stage}), {size(p.bytes_per_step)} sent a step, "
+              f"bubble {p.bubble:.2f}, ~{p.step_s:.2f} s a step")
+    if args.json:
+        with open(args.json, "w") as f:
+            f.writelines(json.dumps({"bench": "dryrun_fit", **p.row()}) + "\n" for p in priced)
+    return 0 if ok else 1
+
+
 def _lm_loss(logits, targets):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def _bytes(text: str) -> int:
-    units = {"gib": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6}
-    t = text.strip().lower()
-    unit = next((u for u in units if t.endswith(u)), None)
-    return int(float(t[:-len(unit)] if unit else t) * (units[unit] if unit else 1))
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def _describe(r: Role) -> str:
-    gib = _size
-    lines = [f"stage {r.stage} (ranks {r.ranks}): peak {gib(r.peak)}; parameters {gib(r.params)}, gradients "
-             f"{gib(r.grads)}, masters {gib(r.masters)}, optimizer state {gib(r.optimizer)}"]
-    lines += [f"    {k}: {gib(v)} per step" for k, v in {**r.collectives, **r.p2p}.items()]
-    lines.append(f"    verifier: {r.verdict}")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

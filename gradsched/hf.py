@@ -26,6 +26,8 @@ different attention silently.
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -237,11 +239,18 @@ MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistr
           "hf_gemma3": tiny_gemma3, "hf_llama_documents": tiny_llama_documents}
 
 
-def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False) -> tuple[CausalLM, int]:
+def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False, layers: int | None = None
+                   ) -> tuple[CausalLM, int]:
     """(a causal LM of this transformers config on the meta device: shapes, no values, behind CausalLM; its
-    number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config."""
+    number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config. `layers`:
+    cut to that many decoder layers (the dry run's --fit measures a few)."""
     from transformers import AutoModelForCausalLM
     config._attn_implementation = "sdpa"
+    if layers is not None:
+        config = copy.deepcopy(config)
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+        config.num_hidden_layers = layers
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(config).to(dtype)
     if checkpointing:
@@ -257,20 +266,21 @@ LLAMA = {
 }
 
 
-def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
+def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False, layers: int | None = None):
     """(model on the meta device, its number of layers) of a built-in Llama config."""
     from transformers import LlamaConfig
-    vocab, hidden, inter, layers, heads, kv = LLAMA[name]
-    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+    vocab, hidden, inter, n_layers, heads, kv = LLAMA[name]
+    c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
                     num_attention_heads=heads, num_key_value_heads=kv, max_position_embeddings=131072,
                     tie_word_embeddings=tie, bos_token_id=0, eos_token_id=0, pad_token_id=None)
-    return meta_causal_lm(c, dtype, checkpointing)
+    return meta_causal_lm(c, dtype, checkpointing, layers)
 
 
-def from_config(path: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False):
+def from_config(path: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False,
+                layers: int | None = None):
     """(model on meta, its number of layers) from a Hugging Face config.json, or a directory holding one."""
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(path)
     if tie:
         c.tie_word_embeddings = True
-    return meta_causal_lm(c, dtype, checkpointing)
+    return meta_causal_lm(c, dtype, checkpointing, layers)

@@ -238,3 +238,11 @@ def test_the_options_table_lists_every_option():
     fields = {f.name for f in dataclasses.fields(SyncOptions)}
     assert named == fields, f"not in docs/parallelism.md's table: {sorted(fields - named)}; " \
                             f"not options: {sorted(named - fields)}"
+
+
+def test_the_tested_combinations_table_lists_the_option_matrix_rows():
+    import test_option_matrix as matrix
+    text = (ROOT / "docs" / "parallelism.md").read_text()
+    table = text[text.index("## Tested combinations"):].split("| case |")[1].split("\n\n")[0]
+    named = [row.split("|")[1].strip() for row in table.splitlines()[2:] if row.startswith("|")]
+    assert named == [*matrix.CASES, *matrix.INDUCTOR]

@@ -237,3 +237,54 @@ def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():
     from gradsched.dryrun import main
     with pytest.raises(SystemExit, match=r"--pp 8: llama-tiny has 4 layers; use pp <= 4\."):
         main(["--model", "llama-tiny", "--pp", "8"])
+
+
+def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
+    """gradsched.sizing.fit prices a layout from a few probes of one and two layers; the reference is the dry
+    run of that layout, every stage built: its worst stage's peak and that stage's state."""
+    from gradsched.dryrun import _lm_loss, even_split_points, probe
+    from gradsched.hf import llama
+    from gradsched.sizing import fit
+    seq, batch = 1024, 4  # long enough that activations outweigh the small parameters, as in the plans it sizes
+    build = lambda layers, ckpt: llama("llama-tiny", torch.float32, False, ckpt, layers)  # noqa: E731
+    model, layers = build(None, False)
+    shape = fit.model_shape(model, 4)
+    cands = [fit.Candidate(1, 4, 1, "params", 1, False), fit.Candidate(2, 2, 1, True, 2, False)]
+    priced = fit.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
+                        progress=lambda s: None)
+    for p in priced:
+        c = p.candidate
+        roles = dry_run(build(None, False)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, batch=batch // c.dp, seq=seq,
+                        split_points=even_split_points(layers, c.pp), shard=c.shard, device="cpu", backend="gloo",
+                        microbatches=c.microbatches, progress=lambda s: None)
+        worst = max(roles, key=lambda r: r.peak)
+        assert abs(p.peak / worst.peak - 1) < 0.10, (c, p.peak, worst.peak)
+        state = worst.params + worst.grads + worst.masters + worst.optimizer
+        assert abs(p.state / state - 1) < 0.02, (c, p.state, state)
+
+
+def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
+    from gradsched.sizing import fit
+    exact = fit.fit_points(*[10 + 3 * L + 5 * u + 7 * L * u for L, u in fit.POINTS])
+    assert (exact.fixed, exact.per_layer, exact.per_seq, exact.per_layer_seq) == (10, 3, 5, 7)
+    assert exact.at(4, 2) == 10 + 3 * 4 + (5 + 7 * 4) * 2
+    end = fit.End(saved=exact, rest=fit.Fitted(1, 0, 0, 0))
+    assert end.at(4, 2, 3) == 3 * exact.at(4, 2) + 1  # three micro-batches in flight, one step's rest
+    # bf16 over a gradient group of 4: ZeRO-3 keeps 1/4 of everything, the distributed optimizer whole
+    # parameters; fp32 masters and AdamW's two moments sharded in both
+    assert fit.state_bytes(1000, "params", 4, 2) == 1000 * (2 + 2 + 4 + 8) // 4
+    assert fit.state_bytes(1000, True, 4, 2) == 1000 * 2 + 1000 * (2 + 4 + 8) // 4
+    assert fit.state_bytes(1000, "params", 4, 4) == 1000 * (4 + 4 + 8) // 4  # a fp32 shard is its own master
+    assert fit.stage_layers(80, 8) == [10] * 8 and fit.stage_layers(5, 2) == [2, 3]
+    from gradsched.hf import llama
+    cut, n = llama("llama-tiny", torch.bfloat16, layers=2)  # what the probes build
+    assert n == 2 and len(cut.model.model.layers) == 2
+    cands = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16)
+    assert all(c.pp * c.dp * c.cp == 16 and c.microbatches >= min(c.pp, 16 // c.dp) for c in cands)
+    assert {c.pp for c in cands} == {1, 2, 4} and {c.cp for c in cands} == {1, 2, 4, 8}
+
+
+def test_fit_refuses_a_module_factory_in_one_line():
+    from gradsched.dryrun import main
+    with pytest.raises(SystemExit, match="--fit: give --gpus"):
+        main(["--module", "dryrun_factory:tiny_gpt", "--fit", "80GiB", "--gpus", "8"])

@@ -12,6 +12,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch._ops import HigherOrderOperator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -51,6 +52,10 @@ class LiveBytes(TorchDispatchMode):
         self.collectives: dict[tuple[str, str], int] = {}
         self._in_flight: dict[int, tuple] = {}  # a functional collective's result -> (scratch bytes, its input)
 
+    # checkpointing's rng HOPs (run_and_save_rng_state, run_with_rng_state) in an eagerly run graph: each runs
+    # its one op without the mode, and its outputs are counted here like any op's
+    supports_higher_order_operators = True
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         return True
@@ -63,7 +68,8 @@ class LiveBytes(TorchDispatchMode):
             if args[0].is_meta:  # the meta kernel would make a new tensor; a meta collective is done at issue
                 return args[0]
             return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        out = _meta_rng(func, args, kwargs) if isinstance(func, HigherOrderOperator) else None
+        out = func(*args, **(kwargs or {})) if out is None else out
         # a view or an in-place op's result lives in its input's storage: nothing new, and its input may
         # predate the mode (a parameter, the optimizer's state), already counted as held
         inputs = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
@@ -122,3 +128,17 @@ def storage_bytes(tensors) -> int:
             s = t.untyped_storage()
             seen[s._cdata] = s.nbytes()
     return sum(seen.values())
+
+
+def _meta_rng(hop, args, kwargs):
+    """torch's rng HOPs have no meta kernel (the dry run's graphs, checkpointed): the op alone, and a state
+    of the CPU generator's shape; None for any other call."""
+    if not any(isinstance(t, torch.Tensor) and t.is_meta for t in tree_leaves((args, kwargs))):
+        return None
+    if hop.__name__ == "run_and_save_rng_state":
+        op, *rest = args
+        return torch.get_rng_state(), op(*rest, **(kwargs or {}))
+    if hop.__name__ == "run_with_rng_state":
+        _, op, *rest = args
+        return op(*rest, **(kwargs or {}))
+    return None

@@ -1,0 +1,292 @@
+"""The layouts that fit: every (pp, dp, cp, shard, micro-batches, checkpointing) of a GPU count, priced
+per rank, those whose every stage fits the device's memory ranked by an estimated step time.
+
+Pricing a candidate by a full dry run would build its every stage's graphs (minutes at 70B, hundreds of
+candidates). Instead the graphs are built for a few small probes and each candidate is priced from them:
+
+  state       exact arithmetic per stage (bytes a parameter costs, by shard mode, over the gradient group
+              g = dp x cp; `state_bytes`), the dry run's own accounting
+  activations measured by probes: a two-stage dry run (pp 2, one micro-batch) of the same model cut to
+              1 and 2 layers a stage, with 1 and 2 sequences, per cp class (1, or more) and checkpointing
+              (`search` says which, ten a class): what each stage's forward left alive (saved) and the most
+              its step held above that (rest), each fitted as
+                  fixed + per_layer x L + per_sequence x u + per_layer_sequence x L x u
+              separately for the first stage (embedding) and the last (head and loss). A candidate's stage
+              s with L layers and u sequences per micro-batch holds k = min(m, pp - s) micro-batches'
+              saved activations at once under 1F1B, so its peak is
+                  state + k x saved(L, u) + rest(L, u) [+ accumulation x stage parameters, m > 1]
+                  + the pipeline stage's receive buffers (m micro-batches of its input and output gradient)
+                  + the device runtime's buffers
+              per local token: probes at cp 2 price every cp > 1 (the ring's buffers are per local token);
+              accumulation: with m > 1 each micro-batch's gradients are summed, whole, until the step's
+              reduction: what a two-micro-batch probe holds beyond the one-micro-batch prediction, per
+              parameter of its stage
+
+The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes / bandwidth, with
+  compute = (6, or 8 with checkpointing) x the largest stage's parameters x tokens per rank per step / flops
+  bubble  = (pp - 1) / (m + pp - 1)                                    (1F1B and GPipe alike)
+  bytes   = what one rank sends per step: gradient reduce-scatter (g - 1)/g x stage parameters x dtype bytes;
+            the parameters' all-gather once a step (shard=True) or in every micro-batch's forward and
+            backward (shard="params"); a tie's all-reduce (2 x the tied weight, pp > 1); the activations
+            and their gradients between stages; the ring's K and V (cp - 1 steps a layer, forward and twice
+            in the backward)
+No overlap of communication with compute is assumed: an upper bound, comparable between candidates.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import asdict, dataclass
+
+SHARDS = ("params", True)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    pp: int
+    dp: int
+    cp: int
+    shard: object
+    microbatches: int
+    checkpointing: bool
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    kv_dim: int  # key/value heads x head dim
+    vocab: int
+    layer_params: int  # one decoder layer's parameters
+    first_params: int  # the embedding (and what else the first stage holds outside its layers)
+    last_params: int  # the head (a copy of a tied embedding under pp > 1) and the final norm
+    tied: bool
+    dtype_bytes: int
+
+
+@dataclass
+class Priced:
+    candidate: Candidate
+    peak: int  # the largest stage's, bytes
+    stage: int
+    state: int  # that stage's parameters, gradients, masters and optimizer state
+    bytes_per_step: int
+    bubble: float
+    step_s: float
+    fits: bool
+
+    def row(self) -> dict:
+        return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
+
+
+def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int = 8,
+               checkpointing=(False, True), max_microbatch_choices: int = 3) -> list[Candidate]:
+    """Every layout of `gpus` ranks: pp a power of two up to the layers, cp a power of two up to max_cp that
+    splits the sequence into 2 x cp chunks (load balance), dp the rest dividing the global batch; the
+    micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them."""
+    out = []
+    for pp, cp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp)):
+        if gpus % (pp * cp) or seq % (2 * cp):
+            continue
+        dp = gpus // (pp * cp)
+        if global_batch % dp:
+            continue
+        b = global_batch // dp
+        ms = [m for m in range(1, b + 1) if b % m == 0 and m >= min(pp, b)][:max_microbatch_choices]
+        for m, shard, ckpt in itertools.product(ms, SHARDS, checkpointing):
+            out.append(Candidate(pp, dp, cp, shard, m, ckpt))
+    return out
+
+
+def _powers(n: int) -> list[int]:
+    return [1 << k for k in range(n.bit_length()) if 1 << k <= n]
+
+
+def state_bytes(params: int, shard, g: int, d: int) -> int:
+    """What a rank holds for `params` parameters when its optimizer steps (AdamW, fp32 masters and moments),
+    as gradsched holds it: shard=True whole parameters, the rest 1/g (fp32 master shards of its own); "params"
+    everything 1/g (a fp32 parameter shard is its own master); d the parameters' dtype bytes."""
+    per = {True: d + (d + 4 + 8) / g, "params": (d + d + (4 if d < 4 else 0) + 8) / g, False: d + d + 2 * d}[shard]
+    return int(params * per)
+
+
+def stage_layers(layers: int, pp: int) -> list[int]:
+    """Layers per stage of the dry run's even split (gradsched.dryrun.even_split_points)."""
+    cuts = [0] + [layers * k // pp for k in range(1, pp)] + [layers]
+    return [b - a for a, b in zip(cuts, cuts[1:])]
+
+
+@dataclass(frozen=True)
+class Fitted:
+    """Activation bytes of one stage end: fixed + per_layer L + (per_seq + per_layer_seq L) u."""
+    fixed: float
+    per_layer: float
+    per_seq: float
+    per_layer_seq: float
+
+    def at(self, layers: int, seqs: float) -> float:
+        return self.fixed + self.per_layer * layers + (self.per_seq + self.per_layer_seq * layers) * seqs
+
+
+@dataclass(frozen=True)
+class End:
+    """A stage end's activations: what one micro-batch's forward leaves alive (held once per micro-batch in
+    flight) and the most the step holds above that (once)."""
+    saved: Fitted
+    rest: Fitted
+    accumulation: float = 0.0  # bytes a stage parameter costs while micro-batches' gradients accumulate (m > 1)
+
+    def at(self, layers: int, seqs: float, in_flight: int) -> float:
+        return in_flight * self.saved.at(layers, seqs) + self.rest.at(layers, seqs)
+
+    def layers_only(self, layers: int, seqs: float, in_flight: int) -> float:
+        """A middle stage: the layers' terms alone."""
+        s, r = self.saved, self.rest
+        return layers * (in_flight * (s.per_layer + s.per_layer_seq * seqs) + r.per_layer + r.per_layer_seq * seqs)
+
+
+def fit_points(t11: float, t21: float, t12: float, t22: float) -> Fitted:
+    """The bilinear fit through transients measured at (layers, sequences) = (1,1), (2,1), (1,2), (2,2)."""
+    per_layer_seq = (t22 - t12) - (t21 - t11)
+    per_layer = (t21 - t11) - per_layer_seq
+    per_seq = (t12 - t11) - per_layer_seq
+    return Fitted(t11 - per_layer - per_seq - per_layer_seq, per_layer, per_seq, per_layer_seq)
+
+
+def probe_keys(cands: list[Candidate]) -> list[tuple[bool, bool, object]]:
+    """The probes the candidates need: (cp > 1, checkpointing, shard)."""
+    return sorted({(c.cp > 1, c.checkpointing, c.shard) for c in cands}, key=repr)
+
+
+def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: int, memory: int, runtime: int,
+          flops: float, bandwidth: float) -> Priced:
+    """A candidate's worst stage and its cost (see the module docstring). `fits`: probe key -> (first, last)."""
+    first, last = fits[(c.cp > 1, c.checkpointing, c.shard)]
+    g, d, m = c.dp * c.cp, shape.dtype_bytes, c.microbatches
+    u = global_batch // c.dp / m  # sequences per micro-batch
+    tokens = u * seq / c.cp  # a rank's tokens per micro-batch
+    boundary = tokens * shape.hidden * d  # one micro-batch's activations between stages
+    worst = None
+    head = shape.last_params - (shape.vocab * shape.hidden if shape.tied and c.pp == 1 else 0)  # pp 1: one copy
+    for s, layers in enumerate(stage_layers(shape.layers, c.pp)):
+        params = layers * shape.layer_params + (shape.first_params if s == 0 else 0) + (head if s == c.pp - 1 else 0)
+        k = min(m, c.pp - s)
+        seqs = u * 2 / c.cp if c.cp > 1 else u  # the probes' sequences holding as many local tokens
+        if c.pp == 1:  # both ends, the layers counted once (the first's); their rests are one step's: the larger
+            act = k * (first.saved.at(layers, seqs) + last.saved.at(0, seqs)) + \
+                max(first.rest.at(layers, seqs), last.rest.at(0, seqs))
+        elif s == 0:
+            act = first.at(layers, seqs, k)
+        elif s == c.pp - 1:
+            act = last.at(layers, seqs, k)
+        else:
+            act = first.layers_only(layers, seqs, k)
+        act += (m * boundary if s > 0 else 0) + (m * boundary if s < c.pp - 1 else 0)
+        if m > 1:  # gradients accumulated over the micro-batches, whole, until the step's reduction
+            act += params * (last if s == c.pp - 1 else first).accumulation
+        state = state_bytes(params, c.shard, g, d)
+        peak = int(state + max(act, 0) + runtime)
+        if worst is None or peak > worst[0]:
+            worst = (peak, s, state, params)
+    peak, s, state, _ = worst
+    biggest = max(layers * shape.layer_params for layers in stage_layers(shape.layers, c.pp)) + \
+        max(shape.first_params, shape.last_params)
+    bubble = (c.pp - 1) / (m + c.pp - 1)
+    compute = (8 if c.checkpointing else 6) * biggest * tokens * m / flops
+    moved = _bytes_moved(c, shape, biggest, tokens, boundary)
+    return Priced(c, peak, s, state, moved, round(bubble, 4), compute / (1 - bubble) + moved / bandwidth,
+                  peak <= memory)
+
+
+def _bytes_moved(c: Candidate, shape: ModelShape, params: int, tokens: float, boundary: float) -> int:
+    g, d, m = c.dp * c.cp, shape.dtype_bytes, c.microbatches
+    share = (g - 1) / g
+    moved = share * params * d  # the gradients' reduce-scatter
+    moved += share * params * d * (2 * m if c.shard == "params" else 1)  # the parameters' all-gathers
+    if shape.tied and c.pp > 1:
+        moved += 2 * shape.vocab * shape.hidden * d
+    if c.pp > 1:
+        moved += 2 * m * boundary
+    if c.cp > 1:  # each layer: K and V passed cp - 1 times forward, K, V and their gradients backward
+        kv = tokens * shape.kv_dim * 2 * d
+        moved += 3 * (c.cp - 1) * kv * m * max(stage_layers(shape.layers, c.pp))
+    return int(moved)
+
+
+POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (layers a stage, sequences) of the probes
+
+
+def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_batch: int, memory: int,
+           runtime: int, flops: float, bandwidth: float, progress=print) -> list[Priced]:
+    """Every candidate priced (see the module docstring), those that fit first, cheapest first.
+    measure(layers, sequences, cp, checkpointing, shard) -> ((saved, rest) of the first stage, of the last) of
+    a two-stage dry run with `layers` a stage and one micro-batch of `sequences` (see End).
+
+    Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
+    (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
+    changes what a step holds for the parameters and gradients (the terms without a sequence), not the
+    activations, so its sequence terms are params' and checkpointing moves its other terms as it moves
+    params'. Ten dry runs of a few layers per class instead of one of the whole model per candidate."""
+    keys = probe_keys(cands)
+    base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
+    for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
+        got = [measure(layers, seqs, 2 if cpc else 1, ckpt, "params") for layers, seqs in POINTS]
+        base[(cpc, ckpt)] = tuple(End(*(fit_points(*(g[end][part] for g in got)) for part in (0, 1)))
+                                  for end in (0, 1))
+        progress(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}")
+    fits = {}
+    for cpc, ckpt, shard in keys:
+        if shard == "params":
+            fits[(cpc, ckpt, shard)] = base[(cpc, ckpt)]
+            continue
+        if (cpc, False, shard) not in fits:
+            t1, t2 = (measure(layers, 1, 2 if cpc else 1, False, shard) for layers in (1, 2))
+            fits[(cpc, False, shard)] = tuple(
+                End(*(with_own_parameters(getattr(base[(cpc, False)][e], f), t1[e][i], t2[e][i])
+                      for i, f in enumerate(("saved", "rest")))) for e in (0, 1))
+            progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}")
+        if ckpt:
+            fits[(cpc, ckpt, shard)] = tuple(
+                End(*(moved_like(getattr(fits[(cpc, False, shard)][e], f), getattr(base[(cpc, False)][e], f),
+                                 getattr(base[(cpc, True)][e], f)) for f in ("saved", "rest"))) for e in (0, 1))
+    for cpc, shard in sorted({(k[0], k[2]) for k in keys}, key=repr):  # m > 1: what accumulating gradients holds
+        if not any(c.microbatches > 1 and (c.cp > 1) == cpc and c.shard == shard for c in cands):
+            continue
+        two = measure(2, 1, 2 if cpc else 1, False, shard, microbatches=2)
+        one = fits[(cpc, False, shard)]
+        probe_params = (2 * shape.layer_params + shape.first_params, 2 * shape.layer_params + shape.last_params)
+        acc = [max(0.0, (two[e][0] + two[e][1] - one[e].at(2, 1, 2 - e)) / probe_params[e]) for e in (0, 1)]
+        for key in [k for k in fits if (k[0], k[2]) == (cpc, shard)]:
+            fits[key] = tuple(End(f.saved, f.rest, acc[e]) for e, f in enumerate(fits[key]))
+        progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, two micro-batches")
+    priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
+    return sorted(priced, key=lambda p: (not p.fits, p.step_s))
+
+
+def with_own_parameters(base: Fitted, t11: float, t21: float) -> Fitted:
+    """`base`'s sequence terms, with the other two from transients at one sequence and 1 and 2 layers."""
+    per_layer = t21 - t11 - base.per_layer_seq
+    return Fitted(t11 - per_layer - base.per_seq - base.per_layer_seq, per_layer, base.per_seq, base.per_layer_seq)
+
+
+def moved_like(fitted: Fitted, before: Fitted, after: Fitted) -> Fitted:
+    """`fitted` changed as `before` changed into `after` (checkpointing): the latter's sequence terms, and its
+    other terms moved by as much."""
+    return Fitted(fitted.fixed + after.fixed - before.fixed, fitted.per_layer + after.per_layer - before.per_layer,
+                  after.per_seq, after.per_layer_seq)
+
+
+def model_shape(causal_lm, dtype_bytes: int) -> ModelShape:
+    """The parameter counts `price` needs, from a gradsched.hf.CausalLM (a Hugging Face *ForCausalLM)."""
+    hf = causal_lm.model
+    c = hf.config
+    count = lambda mod: sum(p.numel() for p in mod.parameters())  # noqa: E731
+    body = hf.get_decoder() if hasattr(hf, "get_decoder") else hf.model
+    head = hf.get_output_embeddings()
+    norm = getattr(body, "norm", None)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return ModelShape(layers=c.num_hidden_layers, hidden=c.hidden_size,
+                      kv_dim=getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim,
+                      vocab=c.vocab_size, layer_params=count(body.layers[0]),
+                      first_params=count(body.embed_tokens),
+                      last_params=head.weight.numel() + (count(norm) if norm is not None else 0),
+                      tied=bool(getattr(c, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes)
