@@ -10,7 +10,8 @@ unsplit model trained in one process on the whole global batch:
   - every parameter after the optimizer steps, and the tied copies bitwise equal.
 
 The eager cases run in one set of processes (start-up dominates); a representative
-slice runs again under Inductor, the default compiler. README.md lists the cases.
+slice runs again under Inductor, the default compiler. docs/parallelism.md lists the cases
+(tests/test_docs.py holds its table to these).
 """
 import pytest
 

@@ -8,7 +8,7 @@ candidates). Instead the graphs are built for a few small probes and each candid
               g = dp x cp; `state_bytes`), the dry run's own accounting
   activations measured by probes: a two-stage dry run (pp 2, one micro-batch) of the same model cut to
               1 and 2 layers a stage, with 1 and 2 sequences, per cp class (1, or more) and checkpointing
-              (`search` says which, ten a class): what each stage's forward left alive (saved) and the most
+              (`search` says which, about twelve a class): what each stage's forward left alive (saved) and the most
               its step held above that (rest), each fitted as
                   fixed + per_layer x L + per_sequence x u + per_layer_sequence x L x u
               separately for the first stage (embedding) and the last (head and loss). A candidate's stage
@@ -225,7 +225,8 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
     (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
     changes what a step holds for the parameters and gradients (the terms without a sequence), not the
     activations, so its sequence terms are params' and checkpointing moves its other terms as it moves
-    params'. Ten dry runs of a few layers per class instead of one of the whole model per candidate."""
+    params'. With m > 1 among the candidates, one more run per shard mode and class, with two micro-batches (End's
+    accumulation). About twelve dry runs of a few layers per class instead of one of the whole model per candidate."""
     keys = probe_keys(cands)
     base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
     for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
@@ -252,7 +253,7 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
         if not any(c.microbatches > 1 and (c.cp > 1) == cpc and c.shard == shard for c in cands):
             continue
         two = measure(2, 1, 2 if cpc else 1, False, shard, microbatches=2)
-        one = fits[(cpc, False, shard)]
+        one = fits.get((cpc, False, shard), base[(cpc, False)])  # params': base's (no such candidate without ckpt)
         probe_params = (2 * shape.layer_params + shape.first_params, 2 * shape.layer_params + shape.last_params)
         acc = [max(0.0, (two[e][0] + two[e][1] - one[e].at(2, 1, 2 - e)) / probe_params[e]) for e in (0, 1)]
         for key in [k for k in fits if (k[0], k[2]) == (cpc, shard)]:
