@@ -6,6 +6,8 @@ process, on the whole global batch, with the same optimizer.
 """
 from __future__ import annotations
 
+import contextlib
+
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -38,6 +40,8 @@ class Job:
     rank_options: dict = field(default_factory=dict)  # rank -> options overriding `options` there
     ties: list | None = None  # explicit tie declaration (override); None: discover
     capture_code: bool = False  # return the code Inductor generates during the first step
+    host_reads: tuple = ()  # steps (from 0) whose host reads of device values are recorded (result "reads")
+    inject_host_read: bool = False  # then one more step with an .item() added in the loss weighting ("injected")
     optimizer: str = "adamw"  # or "sgd": its update is the gradient itself, so scale errors show
     labels: str = "full"  # "padded": right padding with ignore_index, some sequences (and a micro-batch) empty
     loss: str = "mean"  # "sum": lm_loss_sum, for average=False
@@ -190,22 +194,26 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     grads = None
     per_rank = job.global_batch // job.dp
     losses, times, code, norms = [], [], [], []
+    reads = []
     for step in range(job.steps):
         x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
         extra = {k: t[sl] for k, t in model_inputs(job, step).items()}
         t0 = time.perf_counter()
-        if job.capture_code and step == 0:
-            from torch._inductor.utils import run_and_get_code
-            loss, code = run_and_get_code(model.train_step, x[sl], y[sl], **extra)
-        else:
-            loss = model.train_step(x[sl], y[sl], **extra)
-        if step == 0:
-            grads = reduced_gradients(model.grad_sync)
-        if job.clip:
-            norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
-        opt.step()
-        opt.zero_grad()
+        with recording(step in job.host_reads) as seen:  # the step, not the test's own reads below
+            if job.capture_code and step == 0:
+                from torch._inductor.utils import run_and_get_code
+                loss, code = run_and_get_code(model.train_step, x[sl], y[sl], **extra)
+            else:
+                loss = model.train_step(x[sl], y[sl], **extra)
+            if step == 0:
+                grads = reduced_gradients(model.grad_sync)
+            norm = gradsched.clip_grad_norm_(model, job.clip) if job.clip else None
+            opt.step()
+            opt.zero_grad()
+        reads += [r.text() for r in seen.unexpected()] if seen is not None else []
+        if norm is not None:
+            norms.append(norm.item())
         times.append(time.perf_counter() - t0)
         losses.append(None if loss is None else float(loss))
     sync = model.grad_sync
@@ -227,7 +235,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         # what the user's model itself still holds (under pp > 1: this rank's stage, the rest released)
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),
-        "code": code, "grads": grads,
+        "code": code, "grads": grads, "reads": reads,
         "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
                            if n.op == "call_function"],
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},
@@ -237,7 +245,36 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "param_storage_bytes": sum(p.untyped_storage().nbytes() for p in sync.params.values()),
         "param_shard_bytes": sum(t.numel() * t.element_size() for t in sync.param_shards.shards.values())
         if sync.param_shards is not None else None,
-    }
+    } | ({"injected": step_with_an_injected_read(model, opt, job, dp_idx)} if job.inject_host_read else {})
+
+
+def recording(on: bool):
+    from gradsched.training import host_reads
+    return host_reads.recording() if on else contextlib.nullcontext()
+
+
+def step_with_an_injected_read(model, opt, job: Job, dp_idx: int) -> list:
+    """The host reads of one more step in which gradsched's label count reads its value with .item()
+    (tests/test_host_reads.py: the recorder must see it, with its line)."""
+    from gradsched.training import loss_weights
+    labelled = loss_weights.labelled
+
+    def reading(target, ignore_index):
+        n = labelled(target, ignore_index)
+        n.item()  # the injected read
+        return n
+    x, y = batch(job, job.steps)
+    per_rank = job.global_batch // job.dp
+    sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+    loss_weights.labelled = reading
+    try:
+        with recording(True) as seen:
+            model.train_step(x[sl], y[sl])
+            opt.step()
+            opt.zero_grad()
+    finally:
+        loss_weights.labelled = labelled
+    return [r.text() for r in seen.unexpected()]
 
 
 def rank_jobs(rank: int, world: int, jobs: list) -> list:

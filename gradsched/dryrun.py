@@ -64,6 +64,9 @@ class Role:
     held: int = 0  # of which: held at the third step's start
     transient: int = 0  # of which: the most the step's ops held at once above that
     saved: int = 0  # what they held after the first micro-batch's forward (its saved activations, its output)
+    # a backward's peak above the saved activations of the micro-batches in flight at its start (saved each):
+    accumulating: int = 0  # the most of any but the last (m > 1: the gradients accumulated so far, and the new)
+    final_backward: int = 0  # the last's (its reductions; with m > 1 fed the accumulated gradients)
     collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
     p2p: dict = field(default_factory=dict)  # "activations received" / "their gradients sent back" -> bytes per step
     buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
@@ -164,7 +167,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             for step in range(STEPS):
                 held = held_bytes(pm, opt)
                 with LiveBytes(backend) as live:
-                    outs, saved = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
+                    outs, saved, above = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
                     if step == STEPS - 1:
                         account(role, pm, opt)
                     opt.step()
@@ -175,6 +178,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
                 grads_in = m * sum(_nbytes(*t) for t in outs[0] if t[3]) if stage < pp - 1 else 0
                 role.peak = held + live.peak + received + grads_in + RUNTIME[backend]
                 role.held, role.transient, role.saved = held, live.peak, saved
+                role.accumulating, role.final_backward = max(above[:-1], default=0), above[-1]
             role.collectives = by_group(live.collectives, plan, pm)
             sent.append([[_like(*t) for t in o] for o in outs])  # what later stages receive
             if stage > 0:
@@ -219,8 +223,9 @@ def _nbytes(shape, dtype, device, requires_grad) -> int:
 
 def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
     """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
-    (shape, dtype, device, requires_grad), and what `live` counted after the first forward."""
-    outs, pending, saved = [None] * m, {}, None
+    (shape, dtype, device, requires_grad), what `live` counted after the first forward, and each backward's
+    peak above that many bytes per micro-batch in flight at its start (see Role.accumulating)."""
+    outs, pending, saved, above = [None] * m, {}, None, []
     last = stage == pp - 1
     for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
         if kind == "F":
@@ -232,14 +237,17 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
             del out, leaves
             saved = live.now if saved is None else saved
             continue
+        peak, in_flight, live.peak = live.peak, len(pending), live.now  # this backward's own peak, then the step's
         with pm.grad_sync.step_boundary(last=i == m - 1):
             if last:
                 pending.pop(i).backward()
             else:
                 grads = [t for t in pending.pop(i) if t.requires_grad]
                 torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
+        above.append(live.peak - in_flight * saved)
+        live.peak = max(peak, live.peak)
     pm.grad_sync.flush()
-    return outs, saved
+    return outs, saved, above
 
 
 def main(argv=None) -> int:
@@ -332,12 +340,13 @@ def main(argv=None) -> int:
 def probe(build, seq: int, device: str, backend: str, **options):
     """gradsched.sizing.fit's measure: build(layers, checkpointing) -> (model on meta, layers); each call dry-runs
     two stages of `layers` each (micro-batches of `seqs` sequences, one unless said), and returns for both stages
-    (saved, the rest of the transient): what the first forward left alive, and the most the step held above that."""
+    (saved, the rest of the transient, accumulating, final_backward): what the first forward left alive, the most
+    the step held above that, and the backwards' peaks above their micro-batches in flight (Role)."""
     def measure(layers, seqs, cp, checkpointing, shard, microbatches=1):
         roles = dry_run(build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp, batch=seqs * microbatches,
                         seq=seq, split_points=even_split_points(2 * layers, 2), shard=shard, device=device,
                         backend=backend, microbatches=microbatches, progress=lambda s: None, **options)
-        return [(r.saved, r.transient - r.saved) for r in (roles[0], roles[-1])]
+        return [(r.saved, r.transient - r.saved, r.accumulating, r.final_backward) for r in (roles[0], roles[-1])]
     return measure
 
 

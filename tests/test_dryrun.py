@@ -270,6 +270,17 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert exact.at(4, 2) == 10 + 3 * 4 + (5 + 7 * 4) * 2
     end = fit.End(saved=exact, rest=fit.Fitted(1, 0, 0, 0))
     assert end.at(4, 2, 3) == 3 * exact.at(4, 2) + 1  # three micro-batches in flight, one step's rest
+    # m > 1: a stage's activations are the largest of three moments, not a sum: the forwards' (k saved + rest),
+    # an accumulating backward's (k saved + its peak above them) and the last backward's (one saved + its peak)
+    one = lambda c: fit.Fitted(c, 0, 0, 0)  # noqa: E731
+    end = fit.End(saved=one(1), rest=one(2), accumulating=one(10), final=one(3))
+    assert fit._backward_peaks(end, end, 0, 2, 1, 1, 4) == (4 * 1 + 10, 1 + 3)
+    shape = fit.ModelShape(layers=2, hidden=1, kv_dim=1, vocab=1, layer_params=0, first_params=0, last_params=0,
+                           tied=False, dtype_bytes=2)
+    fits = {(False, False, "params"): (end, end)}
+    peak = lambda m: fit.price(fit.Candidate(2, 1, 1, "params", m, False), shape, fits, 1, m, 2**40, 0, 1, 1).peak  # noqa
+    # stage 0 (k = min(m, 2)), plus the output gradients it receives: a micro-batch of 1 token x 1 hidden, bf16
+    assert peak(1) == 1 * 1 + 2 + 2 and peak(4) == 2 * 1 + 10 + 4 * 2
     # bf16 over a gradient group of 4: ZeRO-3 keeps 1/4 of everything, the distributed optimizer whole
     # parameters; fp32 masters and AdamW's two moments sharded in both
     assert fit.state_bytes(1000, "params", 4, 2) == 1000 * (2 + 2 + 4 + 8) // 4

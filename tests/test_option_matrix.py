@@ -24,10 +24,11 @@ TOL = 1e-5
 
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
-        param_groups="", **options):
+        param_groups="", host_reads=(), inject_host_read=False, **options):
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                config=GPTConfig(vocab=vocab), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
-               clip=clip, param_groups=param_groups, options={"compiler": "eager", **options})
+               clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
+               options={"compiler": "eager", **options})
 
 
 CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the clipping acts
@@ -64,13 +65,18 @@ CASES = {
                                               shard=False, microbatches=2),
 }
 
+STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
+
 INDUCTOR = {  # the default compiler end to end: flush graph, backward sync variant, padding, CP
-    # (each row costs the suite a cold compile of its graphs, so one row holds several options)
-    "inductor_pp2_dp2_padded_m2_clip_param_groups": job(2, 2, vocab=97, microbatches=2, optimizer="adamw",
-                                                        param_groups="decay_matrices", clip=CLIP,
+    # (each row costs the suite a cold compile of its graphs, so one row holds several options; the two pp2
+    # rows also record steps 3 to 5's host reads, with CP off and on, shard=True and "params")
+    "inductor_pp2_dp2_padded_m4_clip_param_groups": job(2, 2, vocab=97, microbatches=4, optimizer="adamw",
+                                                        param_groups="decay_matrices", clip=CLIP, steps=5,
+                                                        host_reads=STEADY, inject_host_read=True,
                                                         compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
-    "inductor_pp2_cp2_m2": job(2, 1, 2, microbatches=2, compiler="inductor"),
+    "inductor_pp2_cp2_params_m4": job(2, 1, 2, microbatches=4, shard="params", steps=5, host_reads=STEADY,
+                                      compiler="inductor"),
     "inductor_dp2_cp2_a2a_all_reduce": job(1, 2, 2, comm="a2a", shard=False, compiler="inductor"),
     # causal ring in the plain layout: the ranks do unequal work, and every compiled graph keeps its collectives
     "inductor_dp2_cp2_plain_layout_causal_ring": job(1, 2, 2, load_balance=False, compiler="inductor"),
@@ -95,11 +101,6 @@ def run_jobs(cases: dict, world: int = 4) -> dict:
 @pytest.fixture(scope="module")
 def eager_runs():
     return run_jobs(CASES)
-
-
-@pytest.fixture(scope="module")
-def inductor_runs():
-    return run_jobs(INDUCTOR)
 
 
 def assert_like_one_process(job_, ranks):
@@ -148,5 +149,5 @@ def test_option_and_layout_train_like_one_process(name, eager_runs):
 
 
 @pytest.mark.parametrize("name", list(INDUCTOR))
-def test_under_inductor_trains_like_one_process(name, inductor_runs):
+def test_under_inductor_trains_like_one_process(name, inductor_runs):  # tests/conftest.py: shared
     assert_like_one_process(INDUCTOR[name], inductor_runs[name])

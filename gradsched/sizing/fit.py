@@ -14,13 +14,18 @@ candidates). Instead the graphs are built for a few small probes and each candid
               separately for the first stage (embedding) and the last (head and loss). A candidate's stage
               s with L layers and u sequences per micro-batch holds k = min(m, pp - s) micro-batches'
               saved activations at once under 1F1B, so its peak is
-                  state + k x saved(L, u) + rest(L, u) [+ accumulation x stage parameters, m > 1]
+                  state + k x saved(L, u) + rest(L, u)
                   + the pipeline stage's receive buffers (m micro-batches of its input and output gradient)
                   + the device runtime's buffers
-              per local token: probes at cp 2 price every cp > 1 (the ring's buffers are per local token);
-              accumulation: with m > 1 each micro-batch's gradients are summed, whole, until the step's
-              reduction: what a two-micro-batch probe holds beyond the one-micro-batch prediction, per
-              parameter of its stage
+              per local token: probes at cp 2 price every cp > 1 (the ring's buffers are per local token).
+              With m > 1 each micro-batch's gradients are summed, whole, until the step's reduction: a backward
+              before the last holds them and the new ones with k micro-batches in flight, the last feeds them
+              to the reductions with one; probes with three micro-batches measure both peaks above their
+              micro-batches in flight (accumulating, final; gradsched.dryrun.Role), fitted the same way, and
+              the stage's activations are the largest of the three moments:
+                  max(k x saved + rest, k x saved + accumulating, saved + final)
+              A peak is a maximum over moments, not a sum: a sum of 1- and 2-layer probes' terms missed a
+              10-layer stage's accumulated gradients by 27% at 70B.
 
 The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes / bandwidth, with
   compute = (6, or 8 with checkpointing) x the largest stage's parameters x tokens per rank per step / flops
@@ -130,10 +135,12 @@ class Fitted:
 @dataclass(frozen=True)
 class End:
     """A stage end's activations: what one micro-batch's forward leaves alive (held once per micro-batch in
-    flight) and the most the step holds above that (once)."""
+    flight) and the most the step holds above that (once); with m > 1, a backward's peak above the micro-batches
+    in flight at its start: one accumulating (all but the last) and the last (see gradsched.dryrun.Role)."""
     saved: Fitted
     rest: Fitted
-    accumulation: float = 0.0  # bytes a stage parameter costs while micro-batches' gradients accumulate (m > 1)
+    accumulating: Fitted | None = None
+    final: Fitted | None = None
 
     def at(self, layers: int, seqs: float, in_flight: int) -> float:
         return in_flight * self.saved.at(layers, seqs) + self.rest.at(layers, seqs)
@@ -142,6 +149,10 @@ class End:
         """A middle stage: the layers' terms alone."""
         s, r = self.saved, self.rest
         return layers * (in_flight * (s.per_layer + s.per_layer_seq * seqs) + r.per_layer + r.per_layer_seq * seqs)
+
+
+def _layers(f: Fitted, layers: int, seqs: float) -> float:
+    return layers * (f.per_layer + f.per_layer_seq * seqs)
 
 
 def fit_points(t11: float, t21: float, t12: float, t22: float) -> Fitted:
@@ -180,9 +191,9 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
             act = last.at(layers, seqs, k)
         else:
             act = first.layers_only(layers, seqs, k)
+        if m > 1:  # gradients accumulated whole until the step's reduction: the backwards' own peaks may be higher
+            act = max(act, *_backward_peaks(first, last, s, c.pp, layers, seqs, k))
         act += (m * boundary if s > 0 else 0) + (m * boundary if s < c.pp - 1 else 0)
-        if m > 1:  # gradients accumulated over the micro-batches, whole, until the step's reduction
-            act += params * (last if s == c.pp - 1 else first).accumulation
         state = state_bytes(params, c.shard, g, d)
         peak = int(state + max(act, 0) + runtime)
         if worst is None or peak > worst[0]:
@@ -195,6 +206,19 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     moved = _bytes_moved(c, shape, biggest, tokens, boundary)
     return Priced(c, peak, s, state, moved, round(bubble, 4), compute / (1 - bubble) + moved / bandwidth,
                   peak <= memory)
+
+
+def _backward_peaks(first: End, last: End, s: int, pp: int, layers: int, seqs: float, k: int) -> tuple:
+    """Stage s's peaks in an accumulating backward (k micro-batches in flight at its start) and in its last (one)."""
+    def above(part):  # a backward's peak above the micro-batches in flight, and one micro-batch's saved
+        ends = (first, last) if pp == 1 else (first,) if s == 0 else (last,) if s == pp - 1 else ()
+        if not ends:  # a middle stage: the layers' terms of the first stage's
+            return _layers(getattr(first, part), layers, seqs), _layers(first.saved, layers, seqs)
+        return (sum(getattr(e, part).at(layers if e is ends[0] else 0, seqs) for e in ends),
+                sum(e.saved.at(layers if e is ends[0] else 0, seqs) for e in ends))
+    acc, saved = above("accumulating")
+    final, _ = above("final")
+    return k * saved + acc, saved + final
 
 
 def _bytes_moved(c: Candidate, shape: ModelShape, params: int, tokens: float, boundary: float) -> int:
@@ -218,15 +242,18 @@ POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (layers a stage, sequences) of the 
 def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_batch: int, memory: int,
            runtime: int, flops: float, bandwidth: float, progress=print) -> list[Priced]:
     """Every candidate priced (see the module docstring), those that fit first, cheapest first.
-    measure(layers, sequences, cp, checkpointing, shard) -> ((saved, rest) of the first stage, of the last) of
-    a two-stage dry run with `layers` a stage and one micro-batch of `sequences` (see End).
+    measure(layers, sequences, cp, checkpointing, shard, microbatches=1) -> ((saved, rest, accumulating, final)
+    of the first stage, of the last) of a two-stage dry run with `layers` a stage and micro-batches of `sequences`
+    (see End).
 
     Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
     (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
     changes what a step holds for the parameters and gradients (the terms without a sequence), not the
     activations, so its sequence terms are params' and checkpointing moves its other terms as it moves
-    params'. With m > 1 among the candidates, one more run per shard mode and class, with two micro-batches (End's
-    accumulation). About twelve dry runs of a few layers per class instead of one of the whole model per candidate."""
+    params'. With m > 1 among the candidates, three micro-batches (End's backward peaks): shard="params" at the
+    four POINTS, shard=True at 1 and 2 layers (its sequence terms params'), without checkpointing (checkpointing
+    shifts them as it shifts rest). About sixteen dry runs of a few layers per class instead of one of the whole
+    model per candidate."""
     keys = probe_keys(cands)
     base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
     for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
@@ -249,16 +276,20 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
             fits[(cpc, ckpt, shard)] = tuple(
                 End(*(moved_like(getattr(fits[(cpc, False, shard)][e], f), getattr(base[(cpc, False)][e], f),
                                  getattr(base[(cpc, True)][e], f)) for f in ("saved", "rest"))) for e in (0, 1))
-    for cpc, shard in sorted({(k[0], k[2]) for k in keys}, key=repr):  # m > 1: what accumulating gradients holds
-        if not any(c.microbatches > 1 and (c.cp > 1) == cpc and c.shard == shard for c in cands):
-            continue
-        two = measure(2, 1, 2 if cpc else 1, False, shard, microbatches=2)
-        one = fits.get((cpc, False, shard), base[(cpc, False)])  # params': base's (no such candidate without ckpt)
-        probe_params = (2 * shape.layer_params + shape.first_params, 2 * shape.layer_params + shape.last_params)
-        acc = [max(0.0, (two[e][0] + two[e][1] - one[e].at(2, 1, 2 - e)) / probe_params[e]) for e in (0, 1)]
+    backward = {}  # (cp > 1, shard) -> per end (accumulating, final), from three micro-batches: m > 1 only
+    for cpc, shard in sorted({(c.cp > 1, c.shard) for c in cands if c.microbatches > 1}, key=repr):
+        if (cpc, "params") not in backward:
+            got = [measure(layers, seqs, 2 if cpc else 1, False, "params", microbatches=3) for layers, seqs in POINTS]
+            backward[(cpc, "params")] = [[fit_points(*(g[e][part] for g in got)) for part in (2, 3)] for e in (0, 1)]
+        if shard != "params":
+            t1, t2 = (measure(layers, 1, 2 if cpc else 1, False, shard, microbatches=3) for layers in (1, 2))
+            backward[(cpc, shard)] = [[with_own_parameters(f, t1[e][part], t2[e][part]) for f, part in
+                                       zip(backward[(cpc, "params")][e], (2, 3))] for e in (0, 1)]
         for key in [k for k in fits if (k[0], k[2]) == (cpc, shard)]:
-            fits[key] = tuple(End(f.saved, f.rest, acc[e]) for e, f in enumerate(fits[key]))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, two micro-batches")
+            plain = fits.get((cpc, False, shard)) or base[(cpc, False)]
+            fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest) for b in backward[(cpc, shard)][e]))
+                              for e, f in enumerate(fits[key]))
+        progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
     priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
     return sorted(priced, key=lambda p: (not p.fits, p.step_s))
 
@@ -267,6 +298,12 @@ def with_own_parameters(base: Fitted, t11: float, t21: float) -> Fitted:
     """`base`'s sequence terms, with the other two from transients at one sequence and 1 and 2 layers."""
     per_layer = t21 - t11 - base.per_layer_seq
     return Fitted(t11 - per_layer - base.per_seq - base.per_layer_seq, per_layer, base.per_seq, base.per_layer_seq)
+
+
+def shifted(fitted: Fitted, before: Fitted, after: Fitted) -> Fitted:
+    """`fitted` moved by as much as `before` moved into `after`, every term (checkpointing a backward's peak)."""
+    return Fitted(*[getattr(fitted, f) + getattr(after, f) - getattr(before, f)
+                    for f in ("fixed", "per_layer", "per_seq", "per_layer_seq")])
 
 
 def moved_like(fitted: Fitted, before: Fitted, after: Fitted) -> Fitted:
