@@ -7,9 +7,10 @@ from gradsched.launch import run_ranks
 from tied_training import Job, compare, rank_main, reference
 
 
-def test_backward_reductions_are_issued_while_the_backward_computes_one_in_flight_at_a_time():
-    job = Job(pp=1, dp=2, steps=2, capture_code=True, options={"compiler": "inductor", "bucket_mb": 0.01})
-    ranks = run_ranks(rank_main, 2, job, timeout_s=400)
+def test_backward_reductions_are_issued_while_the_backward_computes_one_in_flight_at_a_time(inductor_runs):
+    # the option matrix's pp1 x dp4 Inductor row, small buckets (it trains like one process there; tests/conftest.py
+    # runs it once): the last micro-batch's backward reduces every bucket
+    ranks = inductor_runs["inductor_pp1_dp4_padded_m2"]
     for r in ranks:
         ev = events(r["sync_code"]["backward"])  # Inductor's output code, line by line
         last_kernel = max(e.line for e in ev if e.kind == "compute")
@@ -29,7 +30,6 @@ def test_backward_reductions_are_issued_while_the_backward_computes_one_in_fligh
         assert sum(b * f for b, f in left) / sum(b for b, _ in left) > 1 / 3
         # the code's reductions are the plan's buckets, in the plan's order (fp32)
         assert [e.nbytes for e in issued] == [4 * numel for numel, _ in r["grads"]["buckets"]]
-    assert compare(reference(job), ranks)["max_abs_diff"] < 1e-5
 
 
 def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_where_its_all_reduce_feeds_its_reduce_scatter():

@@ -24,11 +24,11 @@ TOL = 1e-5
 
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
-        param_groups="", host_reads=(), inject_host_read=False, **options):
+        param_groups="", host_reads=(), inject_host_read=False, capture_code=False, **options):
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                config=GPTConfig(vocab=vocab), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
-               options={"compiler": "eager", **options})
+               capture_code=capture_code, options={"compiler": "eager", **options})
 
 
 CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the clipping acts
@@ -76,7 +76,7 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                         compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
     "inductor_pp2_cp2_params_m4": job(2, 1, 2, microbatches=4, shard="params", steps=5, host_reads=STEADY,
-                                      compiler="inductor"),
+                                      capture_code=True, compiler="inductor"),
     "inductor_dp2_cp2_a2a_all_reduce": job(1, 2, 2, comm="a2a", shard=False, compiler="inductor"),
     # causal ring in the plain layout: the ranks do unequal work, and every compiled graph keeps its collectives
     "inductor_dp2_cp2_plain_layout_causal_ring": job(1, 2, 2, load_balance=False, compiler="inductor"),
