@@ -209,15 +209,14 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
 
 
 def _backward_peaks(first: End, last: End, s: int, pp: int, layers: int, seqs: float, k: int) -> tuple:
-    """Stage s's peaks in an accumulating backward (k micro-batches in flight at its start) and in its last (one)."""
-    def above(part):  # a backward's peak above the micro-batches in flight, and one micro-batch's saved
-        ends = (first, last) if pp == 1 else (first,) if s == 0 else (last,) if s == pp - 1 else ()
-        if not ends:  # a middle stage: the layers' terms of the first stage's
-            return _layers(getattr(first, part), layers, seqs), _layers(first.saved, layers, seqs)
-        return (sum(getattr(e, part).at(layers if e is ends[0] else 0, seqs) for e in ends),
-                sum(e.saved.at(layers if e is ends[0] else 0, seqs) for e in ends))
-    acc, saved = above("accumulating")
-    final, _ = above("final")
+    """Stage s's peaks in an accumulating backward (k micro-batches in flight at its start) and in its last (one).
+    Each is a backward's peak above the micro-batches in flight, plus those micro-batches' saved activations."""
+    if 0 < s < pp - 1:  # a middle stage: the layers' terms of the first stage's
+        acc, final, saved = (_layers(f, layers, seqs) for f in (first.accumulating, first.final, first.saved))
+    else:  # the stage's ends, its layers counted once (with the first end's; pp 1 holds both ends)
+        ends = [(first, layers), (last, 0)] if pp == 1 else [(first, layers)] if s == 0 else [(last, layers)]
+        acc, final, saved = (sum(getattr(e, part).at(n, seqs) for e, n in ends)
+                             for part in ("accumulating", "final", "saved"))
     return k * saved + acc, saved + final
 
 
@@ -287,7 +286,8 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
                                        zip(backward[(cpc, "params")][e], (2, 3))] for e in (0, 1)]
         for key in [k for k in fits if (k[0], k[2]) == (cpc, shard)]:
             plain = fits.get((cpc, False, shard)) or base[(cpc, False)]
-            fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest) for b in backward[(cpc, shard)][e]))
+            fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest)
+                                                     for b in backward[(cpc, shard)][e]))
                               for e, f in enumerate(fits[key]))
         progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
     priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
