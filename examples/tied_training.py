@@ -231,7 +231,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "verdict": "\n".join(map(str, sync.verdicts.values())),
         "tied_bytes_per_step": sync.tied_bytes_per_step(),
         "within_module_ties": model.within_module_ties,
-        "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls, "flush_seconds": sync.flush_seconds,
+        "sync_runs": sync.sync_runs, "backward_calls": sync.backward_calls, "w_queued_max": sync.w_queued_max, "flush_seconds": sync.flush_seconds,
         # what the user's model itself still holds (under pp > 1: this rank's stage, the rest released)
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),

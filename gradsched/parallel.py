@@ -8,9 +8,9 @@
     loss = model.train_step(inputs, targets); opt.step()
 
 pp > 1 splits the model with torch.distributed.pipelining (`split_points`:
-module names that begin a new stage) and runs its GPipe or 1F1B schedule;
-each stage is compiled with the gradsched backend and its tied copies are
-found from the split (or from `ties=` as an override).
+module names that begin a new stage) and runs its GPipe, 1F1B or zero-bubble
+(ZB-H1: "zb1p") schedule; each stage is compiled with the gradsched backend and
+its tied copies are found from the split (or from `ties=` as an override).
 """
 from __future__ import annotations
 
@@ -34,10 +34,10 @@ from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
+from gradsched.training.pipeline_schedule import SCHEDULES, SPLIT_BACKWARD, check_zero_bubble, pipeline_schedule
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
-SCHEDULES = ("auto", "1f1b", "gpipe")
 
 
 class ParallelModel:
@@ -53,9 +53,14 @@ class ParallelModel:
         m = self.options.microbatches
         if schedule == "auto":
             schedule = "1f1b" if m >= plan.pp else "gpipe"
-        if schedule == "1f1b" and m < plan.pp:
-            raise ValueError(f"schedule='1f1b' needs microbatches >= pp ({m} < {plan.pp}): use schedule='gpipe', "
-                             f"or microbatches={plan.pp} or more.")
+        if schedule in ("1f1b", "zb1p") and m < plan.pp:
+            raise ValueError(f"schedule={schedule!r} needs microbatches >= pp ({m} < {plan.pp}): use "
+                             f"schedule='gpipe', or microbatches={plan.pp} or more.")
+        if schedule in SPLIT_BACKWARD:
+            if plan.pp == 1:
+                raise ValueError(f"schedule={schedule!r} is a pipeline schedule: pp=1 has no pipeline, and its "
+                                 "backward runs whole. Leave schedule out, or split the model (pp > 1).")
+            check_zero_bubble(schedule, plan.pp, m)
         check_split_points(model, split_points)
         if self.options.load_balance == "documents" and plan.cp > 1:
             check_takes_seq_idx(model)
@@ -82,7 +87,9 @@ class ParallelModel:
     def _build(self, ties, stage_module):
         self.ties = ties
         setup = setup_stage(self.plan, self.options, ties, aliases=self.within_module_ties)
-        self.grad_sync = GradSync(setup, self.options, explicit_steps=True)  # train_step marks each step's last micro-batch
+        # train_step marks each step's last micro-batch
+        self.grad_sync = GradSync(setup, self.options, explicit_steps=True,
+                                  split_backward=self.schedule_name in SPLIT_BACKWARD)
         self.stage_module = stage_module
         self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
                                     backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync,
@@ -178,47 +185,16 @@ class ParallelModel:
             make_replicas_equal(self.stage_module, self.plan)
 
     def _build_pipeline(self, microbatch: tuple):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
         meta = self._init is not None  # split on meta copies of the micro-batch: only this rank's stage is allocated
         self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
         agree_stage_boundaries(self.stage_module, self.plan)  # before anything is sent: a mismatch named at its source
         self._init = materialize(self.stage_module, microbatch[0].device, self._init)
         release_other_stages(self.model, self.stage_module)  # the other stages' weights: not this rank's to keep
         self._make_replicas_equal()
-        sync = self.grad_sync
-
-        class Stage(PipelineStage):
-            # the schedule says which backward is the step's last (never counted: pipelining
-            # runs an extra shape-inference backward on its first step)
-            def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-                with sync.step_boundary(last=last_backward):
-                    out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
-                if not self.is_first:  # what it sends back: noted on the device, never read here
-                    sync.nonfinite.observe(nonfinite.BACKWARD, self.bwd_cache.get(bwd_chunk_id))
-                return out
-
-            # pipelining infers shapes on its first step by running the stage (and the loss) on empty tensors:
-            # whatever they hold is no value of the model's, and is not checked
-            def _forward_metadata_inference(self, *args, **kwargs):
-                with sync.nonfinite.paused():
-                    return super()._forward_metadata_inference(*args, **kwargs)
-
-            def _backward_metadata_inference(self, *args, **kwargs):
-                with sync.nonfinite.paused():
-                    return super()._backward_metadata_inference(*args, **kwargs)
-
-            def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
-                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
-                if not self.is_last:  # what it sends on (the last stage's output is checked as its loss)
-                    sync.nonfinite.observe(nonfinite.FORWARD, out)
-                return out
-
         device = next(self.module.parameters()).device  # the stage runs where its weights are
-        stage = Stage(self.module, self.plan.stage, self.plan.pp, device,
-                      group=self.plan.process_group("pp"))
-        cls = Schedule1F1B if self.schedule_name == "1f1b" else ScheduleGPipe
-        self.schedule = cls(stage, n_microbatches=self.options.microbatches,
-                            loss_fn=lambda out, target: self._weighted_loss(out, target), scale_grads=False)
+        self.schedule = pipeline_schedule(self.schedule_name, self.module, self.stage_module, self.plan, self.grad_sync,
+                                          self.options.microbatches, device,
+                                          lambda out, target: self._weighted_loss(out, target))
 
     def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.

@@ -6,13 +6,14 @@ the eager graph twice (torch.distributed.pipelining's stage_backward_input / sta
 the compiled backward graph itself is cut in two, and each half is compiled on its own.
 
 Invariant established: with `b, w = record.b, record.w`,
-  b(*inputs)  == (the original outputs at `record.input_outputs`, in order) + stash
+  b(*(inputs[i] for i in record.b_inputs))  == (the original outputs at `record.input_outputs`, in order) + stash
   w(*stash, *(inputs[i] for i in record.w_inputs)) == the original outputs at `record.weight_outputs`
 for the original graph's inputs, value for value: the halves run the original nodes, in the original
 order, on the same values. Every call_function node of the original that an output needs (or that has
 an effect) is in exactly one half (nothing is computed twice; dead nodes are dropped); B holds exactly the ancestors of the input gradients (so B is as short as the next
 stage's wait can be), W the rest that the weight gradients need; `stash` is the B values W reads, the
-only thing kept from B for W besides W's own inputs. node.meta (with "val") is carried over.
+only thing kept from B for W besides W's own inputs. B takes only the inputs it reads (an input W alone reads,
+such as the gradient accumulated so far, can then be read when W runs). node.meta (with "val") is carried over.
 
 Assumes: `gm` is functional (AOTAutograd's backward graph: no mutation of its inputs), its output is one
 flat tuple of nodes and Nones, and `spec.weight_outputs` names the positions of the weight gradients
@@ -39,6 +40,7 @@ class SplitRecord:
     weight_outputs: list[int]  # original output positions W returns, in order
     stash: list[str]  # names of the B values W reads (B returns them after the input gradients)
     w_inputs: list[int]  # positions of the original placeholders W reads, after the stash
+    b_inputs: list[int]  # positions of the original placeholders B reads, in order
     b_nodes: int  # call_function nodes in each half
     w_nodes: int
 
@@ -80,13 +82,16 @@ def split_backward(gm: fx.GraphModule, spec: SplitSpec) -> tuple[fx.GraphModule,
     stash += [outputs[i] for i in weight_outputs if outputs[i] in in_b and outputs[i] not in stash]
     w_reads = {a for n in in_w for a in n.all_input_nodes} | {outputs[i] for i in weight_outputs}
     w_inputs = [i for i, p in enumerate(placeholders) if p in w_reads]
+    b_reads = {a for n in in_b for a in n.all_input_nodes} | {outputs[i] for i in input_outputs} | set(stash)
+    b_inputs = [i for i, p in enumerate(placeholders) if p in b_reads]
 
-    b = _subgraph(gm, placeholders, [n for n in graph.nodes if n in in_b],
+    b = _subgraph(gm, [placeholders[i] for i in b_inputs], [n for n in graph.nodes if n in in_b],
                   [outputs[i] for i in input_outputs] + stash)
     w = _subgraph(gm, stash + [placeholders[i] for i in w_inputs], [n for n in graph.nodes if n in in_w],
                   [outputs[i] for i in weight_outputs])
     count = lambda g: sum(n.op == "call_function" for n in g.graph.nodes)  # noqa: E731
-    return b, SplitRecord(b, w, input_outputs, weight_outputs, [n.name for n in stash], w_inputs, count(b), count(w))
+    return b, SplitRecord(b, w, input_outputs, weight_outputs, [n.name for n in stash], w_inputs, b_inputs,
+                          count(b), count(w))
 
 
 def _subgraph(gm: fx.GraphModule, inputs: list[fx.Node], body: list[fx.Node], outputs: list) -> fx.GraphModule:

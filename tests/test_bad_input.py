@@ -58,6 +58,17 @@ def test_1f1b_with_fewer_microbatches_than_stages_names_a_schedule_that_works():
         gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], schedule="1f1b")
 
 
+def test_zero_bubble_refuses_micro_batches_it_cannot_run_in_equal_rounds_and_a_model_without_a_pipeline():
+    plan = gradsched.ParallelPlan(pp=2, dp=1)  # sizes only: no process group is touched
+    with pytest.raises(ValueError, match=r"microbatches=5 does not divide into them\. Use a multiple of 2"):
+        gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], schedule="zb1p",
+                              microbatches=5)
+    with pytest.raises(ValueError, match="needs microbatches >= pp"):
+        gradsched.parallelize(TinyGPT(), plan=plan, loss_fn=lm_loss, split_points=["blocks.1"], schedule="zb1p")
+    with pytest.raises(ValueError, match="schedule='zb1p' is a pipeline schedule: pp=1"):
+        gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=1, dp=2), loss_fn=lm_loss, schedule="zb1p")
+
+
 def test_a_pipeline_without_split_points_is_refused():
     with pytest.raises(ValueError, match="needs 1 split_points"):
         gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=2, dp=1), loss_fn=lm_loss)

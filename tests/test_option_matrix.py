@@ -24,8 +24,9 @@ TOL = 1e-5
 
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
-        param_groups="", host_reads=(), inject_host_read=False, capture_code=False, **options):
+        param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", **options):
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
+               schedule=schedule,
                config=GPTConfig(vocab=vocab), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
                capture_code=capture_code, options={"compiler": "eager", **options})
@@ -63,6 +64,9 @@ CASES = {
     "pp2_dp2_param_groups_adamw": job(2, 2, optimizer="adamw", param_groups="decay_matrices", steps=3),
     "pp1_dp4_param_groups_all_reduce_m2": job(1, 4, optimizer="adamw", param_groups="decay_matrices", steps=3,
                                               shard=False, microbatches=2),
+    # zero bubble (ZB-H1): each backward as B now and W later; the tie and the reductions after the last W
+    "pp2_dp2_zb1p_params_m4": job(2, 2, schedule="zb1p", shard="params", microbatches=4),
+    "pp2_dp2_zb1p_untied_clip_m2": job(2, 2, schedule="zb1p", variant="untied", clip=CLIP, microbatches=2),
 }
 
 STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
@@ -70,10 +74,10 @@ STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py read
 INDUCTOR = {  # the default compiler end to end: flush graph, backward sync variant, padding, CP
     # (each row costs the suite a cold compile of its graphs, so one row holds several options; the two pp2
     # rows also record steps 3 to 5's host reads, with CP off and on, shard=True and "params")
-    "inductor_pp2_dp2_padded_m4_clip_param_groups": job(2, 2, vocab=97, microbatches=4, optimizer="adamw",
-                                                        param_groups="decay_matrices", clip=CLIP, steps=5,
-                                                        host_reads=STEADY, inject_host_read=True,
-                                                        compiler="inductor"),
+    "inductor_pp2_dp2_zb1p_padded_m4_clip_param_groups": job(2, 2, vocab=97, microbatches=4, optimizer="adamw",
+                                                             schedule="zb1p", param_groups="decay_matrices",
+                                                             clip=CLIP, steps=5, host_reads=STEADY,
+                                                             inject_host_read=True, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
     "inductor_pp2_cp2_params_m4": job(2, 1, 2, microbatches=4, shard="params", steps=5, host_reads=STEADY,
                                       capture_code=True, compiler="inductor"),
@@ -128,6 +132,15 @@ def assert_like_one_process(job_, ranks):
         assert sorted(r["named_parameters"]) == sorted(r["params"])
         assert list(r["state_dict"]) == list(ref["state_keys"])
         assert max(abs_diff(v, ref["params"][k]) for k, v in r["state_dict"].items()) < TOL
+
+
+def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_runs, inductor_runs):
+    runs = {**eager_runs, **inductor_runs}
+    for name, case in {**CASES, **INDUCTOR}.items():
+        if case.schedule == "zb1p":  # some stage ran a W after the B of a later micro-batch
+            assert max(r["w_queued_max"] for r in runs[name]) >= 2, name
+        else:  # the backward whole: nothing queued
+            assert all(r["w_queued_max"] == 0 for r in runs[name]), name
 
 
 def expected_placement(job_, r) -> dict:

@@ -12,6 +12,10 @@ What it runs, per step:
                  the last is said by the driver (`step_boundary`), from the schedule, never counted;
   the flush      after the pipeline schedule has drained, the graph reducing the buckets placed
                  there (the tied ones under placement="split").
+  B and W        under a zero-bubble schedule (split_backward=True) each backward runs as B, the
+                 inputs' gradients, returned at once (the previous stage waits for them), and W, the
+                 weights' gradients, queued for the schedule to run later (`take_w`): W accumulates in
+                 .grad, and the last micro-batch's W (which must run after every other) reduces.
 
 Before a graph's first collective it runs that graph's checks (gradsched.sync.preflight). The reduced
 buckets of the step wait in `results` for the optimizer.
@@ -32,15 +36,20 @@ from gradsched.passes.verify import Verdict
 from gradsched.sync import report
 from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
-from gradsched.sync.stage_build import BuiltStage, SyncGraph, build_forward, build_stage
+from gradsched.sync.stage_build import BuiltStage, SplitFns, SyncGraph, build_forward, build_stage
 from gradsched.sync.stage_setup import StageSetup, process_group
 from gradsched.sync.nonfinite import StepFlags
 from gradsched.sync.watchdog import JOURNAL
 
 
 class GradSync:
-    def __init__(self, setup: StageSetup, options: SyncOptions, explicit_steps: bool = False):
+    def __init__(self, setup: StageSetup, options: SyncOptions, explicit_steps: bool = False,
+                 split_backward: bool = False):
         self.setup, self.options = setup, options
+        self.split_backward = split_backward
+        self._handoff: list = []  # W of the backward just run, until the schedule takes it (take_w)
+        self._w_outstanding = 0  # W queued and not yet run this step
+        self.w_queued_max = 0  # the most W queued at once (a W ran after a later B when > 1): reports, tests
         self.built: BuiltStage | None = None
         # explicit_steps: a driver (ParallelModel.train_step) marks the last micro-batch's backward
         # with step_boundary(); without one (the backend by name), every backward ends a step
@@ -83,7 +92,7 @@ class GradSync:
         callable to run as the backward. `param_names`: its forward graph's placeholder -> parameter
         name (shard="params")."""
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
-                            self.param_shards, param_names)
+                            self.param_shards, param_names, split=self.split_backward)
         self.built = built
         attach(self, params.values())
         if self.options.shard:
@@ -94,6 +103,9 @@ class GradSync:
 
         def plain(args):  # earlier micro-batches (or every one, with nothing to reduce here): autograd accumulates
             self.backward_calls += 1
+            if built.plain_split is not None:
+                return self._defer_w(built.plain_split, list(args) + shards(), len(args),
+                                     lambda grads: _accumulate(grads, built.grad_names, params))
             return built.plain(list(args) + shards())
         plain._boxed_call = True
         if sg is None:
@@ -105,6 +117,10 @@ class GradSync:
             self.backward_calls += 1
             self._check_once(sg)
             record = sg.record
+            if sg.split is not None:
+                return self._defer_w(sg.split, list(args) + shards(), record.n_outputs,
+                                     lambda grads: self._reduced(sg, grads, params),
+                                     lambda: [_grad_or_zeros(params[n]) for n in record.acc_inputs])
             acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
             outs = list(sg.fn(list(args) + shards() + acc))
             for n in record.acc_inputs:
@@ -116,10 +132,64 @@ class GradSync:
         backward._boxed_call = True
         return backward
 
+    # ---- B now, W later (a zero-bubble schedule) ----------------------------------------------
+    def _defer_w(self, fns: SplitFns, args: list, n_outputs: int, finish, late=list) -> list:
+        """Run B on `args` (the graph's inputs but those `late` gives when W runs: the gradients accumulated
+        so far); queue W, whose outputs (position -> gradient) go to `finish`. Returns the backward's first
+        `n_outputs` outputs: the inputs' gradients, None where W's will be (autograd accumulates nothing)."""
+        rec = fns.record
+        res = list(fns.b([args[i] for i in rec.b_inputs]))
+        n = len(rec.input_outputs)
+        out = [None] * n_outputs
+        for i, v in zip(rec.input_outputs, res[:n]):
+            out[i] = v
+        stash = res[n:]
+        kept = {i: args[i] for i in rec.w_inputs if i < len(args)}  # only what W reads stays alive
+
+        def w():
+            full = {**kept, **dict(enumerate(late(), start=len(args)))}
+            ins = stash + [full[i] for i in rec.w_inputs]
+            with torch.no_grad():  # as inside autograd's backward: saved inputs may require grad
+                outs = [_own(g, ins) for g in fns.w(ins)]
+            finish(dict(zip(rec.weight_outputs, outs)))
+            self._w_outstanding -= 1
+        self._handoff.append(w)
+        self._w_outstanding += 1
+        self.w_queued_max = max(self.w_queued_max, self._w_outstanding)
+        return out
+
+    def take_w(self):
+        """The W of the backward just run (the schedule's dw_builder): a callable to run when the schedule
+        says. A no-op when that backward queued none (nothing of it needed a gradient)."""
+        return self._handoff.pop() if self._handoff else (lambda: None)
+
+    def drop_w(self) -> None:
+        """Forget the W of backwards whose results are not the model's (pipelining's shape inference)."""
+        self._w_outstanding -= len(self._handoff)
+        self._handoff.clear()
+
+    def _reduced(self, sg: SyncGraph, grads: dict, params: dict) -> None:
+        """The last micro-batch's W has run: its reductions are the step's."""
+        if self._w_outstanding != 1:  # it read the accumulated gradients: every other W must be in them
+            raise RuntimeError(f"gradsched: the last micro-batch's weight gradients (W) ran with "
+                               f"{self._w_outstanding - 1} other W still to run: the schedule must run each "
+                               "stage's W in micro-batch order.")
+        record = sg.record
+        for n in record.acc_inputs:
+            params[n].grad = None  # consumed: the reduced gradient replaces it
+        _accumulate({i: g for i, g in grads.items() if i < record.n_outputs}, self.built.grad_names, params)
+        buckets = [grads[i] for i in sorted(grads) if i >= record.n_outputs]
+        self.results.update(zip((b.index for b in sg.layout.buckets), buckets))
+        if "flush" not in self.built.graphs:
+            self.sync_runs += 1
+
     # ---- the flush ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Reduce what waits for the end of the step (every bucket under placement='flush', the tied
         ones under 'split'); call once per step, after the schedule. Nothing to do otherwise."""
+        if self._w_outstanding:
+            raise RuntimeError(f"gradsched: the step ended with {self._w_outstanding} weight-gradient (W) "
+                               "computations never run: the schedule must run every W it queued.")
         if self.built is None and self.setup.placement == "backward":
             return
         built = self._require_built()
@@ -247,6 +317,25 @@ def sync_of(params) -> GradSync | None:
         raise RuntimeError("gradsched: these parameters are reduced by several compiled models; build one "
                            "DistributedOptimizer per compiled model.")
     return next(iter(found.values()), None)
+
+
+def _accumulate(grads: dict, names: dict, params: dict) -> None:
+    """Add W's gradients (output position -> tensor) into their parameters' .grad, as autograd would."""
+    for i, g in grads.items():
+        if g is None or i not in names:
+            continue
+        p = params[names[i]]
+        if p.grad is None:
+            p.grad = g
+        else:
+            p.grad += g
+
+
+def _own(g, inputs) -> torch.Tensor | None:
+    """W's output as a tensor .grad may own: a copy where it is (a view of) an input, which others hold."""
+    if g is not None and (g._is_view() or any(g is a for a in inputs)):
+        return g.clone()
+    return g
 
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:

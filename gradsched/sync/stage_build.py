@@ -8,6 +8,8 @@
       backward_sync_graph            the last micro-batch's backward with its reductions
                                      (gradsched.sync.sync_graphs: insert_grad_sync, sink_waits)
       flush_sync_graph               the reductions that wait for the schedule to drain
+      split_backward                 (a zero-bubble schedule) each backward cut in B, the inputs'
+                                     gradients, and W, the weights': each half compiled
 
 Returns a BuiltStage: plain data and compiled callables, which the executor
 (gradsched.sync.runtime.GradSync) runs and nothing else builds.
@@ -24,6 +26,7 @@ from gradsched.passes import grad_ready_order
 from gradsched.passes.param_gather import gather_params
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_sync import SyncRecord
+from gradsched.passes.split_backward import SplitRecord, SplitSpec, split_backward
 
 from gradsched.sync.compile import compile_graph
 from gradsched.options import SyncOptions
@@ -35,6 +38,14 @@ from gradsched.sync.sync_plan import SyncPlan, plan_sync
 
 
 @dataclass
+class SplitFns:
+    """A backward graph cut in B and W (passes/split_backward.py), each half compiled (boxed callables)."""
+    record: SplitRecord
+    b: object
+    w: object
+
+
+@dataclass
 class SyncGraph:
     """One compiled graph reducing some of a stage's buckets."""
     where: str  # "backward" (the last micro-batch's backward graph) or "flush"
@@ -43,10 +54,14 @@ class SyncGraph:
     record: SyncRecord  # how to feed it and read its results
     fn: object  # boxed callable
     inputs: tuple = ()  # flush graph: the gradients it takes, in order
+    split: SplitFns | None = None  # backward graph under a zero-bubble schedule: B and W, run in place of fn
 
     @property
     def code(self) -> str | None:
-        """Inductor's output code for this graph (None under compiler='eager')."""
+        """Inductor's output code for this graph (None under compiler='eager'); B's then W's when split."""
+        if self.split is not None:
+            codes = [getattr(f, "source_code", None) for f in (self.split.b, self.split.w)]
+            return None if None in codes else "\n".join(codes)
         return getattr(self.fn, "source_code", None)
 
 
@@ -57,12 +72,14 @@ class BuiltStage:
     plain: object  # the unchanged backward, compiled (micro-batches before the last)
     graphs: dict  # "backward" and/or "flush" -> SyncGraph, as the plan places buckets
     param_inputs: tuple = ()  # shard="params": the buckets whose shards the backward graphs take, appended
+    plain_split: SplitFns | None = None  # under a zero-bubble schedule: the plain backward as B and W
+    grad_names: dict | None = None  # backward output position -> parameter name
 
 
 def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                 params: dict[str, torch.nn.Parameter], setup: StageSetup, options: SyncOptions,
                 first: BuiltStage | None = None, shards: ParamShards | None = None,
-                param_names: dict | None = None) -> BuiltStage:
+                param_names: dict | None = None, split: bool = False) -> BuiltStage:
     """`grad_names`: backward output index -> parameter name; `first`: the stage's earlier build
     (a recompile must train the same parameters); `shards`: where the parameters live (shard="params"),
     `param_names`: this backward's forward graph's placeholder -> parameter name (the backward's saved
@@ -82,12 +99,30 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
                      layout=shards.layout if shards is not None else None)
     graphs = {}
     if "backward" in plan.graphs:
-        graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options)
+        graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options, split)
     if "flush" in plan.graphs:
         graphs["flush"] = _flush_graph(plan, params, options)
-    plain = compile_graph(bw_gm, example_inputs, options.compiler,
-                          agree=_name(options, f"the backward graph of stage {setup.stage} (a micro-batch before the last)"))
-    return BuiltStage(plan, params, plain, graphs, param_inputs)
+    what = f"the backward graph of stage {setup.stage} (a micro-batch before the last)"
+    if split:
+        plain_split = _split(bw_gm, example_inputs, set(grad_names), options, what)
+        return BuiltStage(plan, params, None, graphs, param_inputs, plain_split, dict(grad_names))
+    plain = compile_graph(bw_gm, example_inputs, options.compiler, agree=_name(options, what))
+    return BuiltStage(plan, params, plain, graphs, param_inputs, grad_names=dict(grad_names))
+
+
+def _split(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: SyncOptions, what: str,
+           comm_overlap: bool = False) -> SplitFns:
+    """gm cut in B and W, each compiled; W's example inputs are the stash's values (node.meta["val"], in the
+    backward's fake mode) and the inputs it reads."""
+    _, rec = split_backward(gm, SplitSpec(frozenset(weight_outputs)))
+    b_examples = [example_inputs[i] for i in rec.b_inputs]
+    stash = [n.meta["val"] for n in rec.w.graph.find_nodes(op="placeholder")][:len(rec.stash)]
+    w_examples = stash + [example_inputs[i] for i in rec.w_inputs]
+    b = compile_graph(rec.b, b_examples, options.compiler, comm_overlap,
+                      agree=_name(options, f"{what}, its inputs' gradients (B)"))
+    w = compile_graph(rec.w, w_examples, options.compiler, comm_overlap,
+                      agree=_name(options, f"{what}, its weights' gradients (W)"))
+    return SplitFns(rec, b, w)
 
 
 def build_forward(fw_gm: fx.GraphModule, example_inputs, names: dict, params: dict, setup: StageSetup,
@@ -148,17 +183,24 @@ def _name(options: SyncOptions, what: str) -> str | None:
     return what if options.check_ranks else None
 
 
-def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
+def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: SyncOptions,
+                    split: bool = False) -> SyncGraph:
     gm, record = backward_sync_graph(bw_gm, plan, accumulate=options.microbatches > 1)
     extra = [torch.zeros(params[n].shape, dtype=params[n].dtype, device=params[n].device)
              for n in record.acc_inputs]
     fake = detect_fake_mode(example_inputs)
     if fake is not None:  # Inductor propagates fake values: the appended inputs must be fake too
         extra = [fake.from_tensor(t, static_shapes=True) for t in extra]
+    what = f"the backward graph of stage {plan.stage} (the last micro-batch, with its reductions)"
+    if split:  # everything but the inputs' gradients is W's: the weights' gradients and the reductions
+        n_out = len(gm.graph.output_node().args[0])
+        weights = {r.output_index for r in plan.ready} | set(range(record.n_outputs, n_out))
+        fns = _split(gm, list(example_inputs) + extra, weights, options, what, True)
+        return SyncGraph("backward", plan.graphs["backward"], gm, record, None, split=fns)
     fn = compile_graph(gm, list(example_inputs) + extra, options.compiler, comm_overlap=True,
-                       agree=_name(options, f"the backward graph of stage {plan.stage} (the last micro-batch, "
-                                            "with its reductions)"))
+                       agree=_name(options, what))
     return SyncGraph("backward", plan.graphs["backward"], gm, record, fn)
+
 
 
 def _flush_graph(plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:

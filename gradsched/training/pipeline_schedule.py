@@ -1,0 +1,91 @@
+"""The pipeline's schedule: torch.distributed.pipelining's stage and schedule classes, run with gradsched's graphs.
+
+    "gpipe", "1f1b"   Schedule1F1B / ScheduleGPipe over the compiled stage module: each backward is one
+                      compiled graph (the last micro-batch's with its reductions)
+    "zb1p"            ScheduleInterleavedZeroBubble (ZB-H1, arXiv 2401.10241): each backward runs as B, the
+                      inputs' gradients, at once, and W, the weights', where the schedule puts it (in the
+                      bubble). B and W are gradsched's compiled halves of the backward graph
+                      (passes/split_backward.py, gradsched.sync.runtime); torch's own split runs eager
+                      autograd twice and refuses compiled stages.
+
+The stage tells the gradient sync which backward is the step's last and notes what it sends on the device
+(gradsched.sync.nonfinite).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from gradsched.sync import nonfinite
+
+SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p")
+SPLIT_BACKWARD = ("zb1p",)  # schedules that run each backward as B and W (gradsched.sync.runtime)
+
+
+def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m: int, device, loss_fn):
+    """The schedule object (its .step runs one training step) for this rank's stage: `module` is the compiled
+    stage, `stage_module` the module it compiles, `sync` the stage's GradSync, `m` micro-batches."""
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
+                                              ScheduleInterleavedZeroBubble)
+    split = name in SPLIT_BACKWARD
+
+    class Stage(PipelineStage):
+        # the schedule says which backward is the step's last (never counted: pipelining
+        # runs an extra shape-inference backward on its first step). A zero-bubble schedule marks only
+        # the last W: the backward (B) of the last micro-batch is the one that builds the reductions
+        def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+            with sync.step_boundary(last=bwd_chunk_id == m - 1 if split else last_backward):
+                out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            if not self.is_first:  # what it sends back: noted on the device, never read here
+                sync.nonfinite.observe(nonfinite.BACKWARD, self.bwd_cache.get(bwd_chunk_id))
+            return out
+
+        # pipelining infers shapes on its first step by running the stage (and the loss) on empty tensors:
+        # whatever they hold is no value of the model's, and is not checked
+        def _forward_metadata_inference(self, *args, **kwargs):
+            with sync.nonfinite.paused():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _backward_metadata_inference(self, *args, **kwargs):
+            with sync.nonfinite.paused():
+                out = super()._backward_metadata_inference(*args, **kwargs)
+            sync.drop_w()  # its gradients are of empty tensors, never the model's
+            return out
+
+        def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
+            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+            if not self.is_last:  # what it sends on (the last stage's output is checked as its loss)
+                sync.nonfinite.observe(nonfinite.FORWARD, out)
+            return out
+
+    group = plan.process_group("pp")
+    if not split:
+        stage = Stage(module, plan.stage, plan.pp, device, group=group)
+        cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
+        return cls(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    # dw_builder: the W that gradsched's backward queued (its compiled W graph), run when the schedule says
+    stage = Stage(_CompiledStage(stage_module, module), plan.stage, plan.pp, device, group=group,
+                  dw_builder=sync.take_w)
+    return ScheduleInterleavedZeroBubble([stage], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+
+
+class _CompiledStage(nn.Module):
+    """A stage module run compiled, with the compiled wrapper kept out of the module tree. torch's zero-bubble
+    schedules refuse a stage that holds a torch.compile'd module: their split backward would run autograd
+    through the compiled graph twice. gradsched's backward runs its own B and W graphs instead (dw_builder)."""
+    def __init__(self, stage_module: nn.Module, compiled):
+        super().__init__()
+        self.stage = stage_module
+        self.__dict__["compiled"] = compiled
+
+    def forward(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+
+def check_zero_bubble(schedule: str, pp: int, m: int) -> None:
+    """torch's ZB-H1 runs micro-batches in rounds of at least pp (ScheduleInterleavedZeroBubble): refused
+    here, before any collective, rather than by its constructor at the first step."""
+    rounds = max(1, m // pp)
+    if m % rounds:
+        raise ValueError(f"schedule={schedule!r} with pp={pp} runs micro-batches in {rounds} rounds of equal size: "
+                         f"microbatches={m} does not divide into them. Use a multiple of {pp} (e.g. "
+                         f"{rounds * pp}).")
