@@ -34,7 +34,8 @@ from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
-from gradsched.training.pipeline_schedule import SCHEDULES, SPLIT_BACKWARD, check_zero_bubble, pipeline_schedule
+from gradsched.training.pipeline_schedule import (SCHEDULES, SPLIT_BACKWARD, Timeline, check_zero_bubble,
+                                                  pipeline_schedule)
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
@@ -79,6 +80,7 @@ class ParallelModel:
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
                            self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
+        self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self._replicas_equal = False
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
@@ -194,7 +196,7 @@ class ParallelModel:
         device = next(self.module.parameters()).device  # the stage runs where its weights are
         self.schedule = pipeline_schedule(self.schedule_name, self.module, self.stage_module, self.plan, self.grad_sync,
                                           self.options.microbatches, device,
-                                          lambda out, target: self._weighted_loss(out, target))
+                                          lambda out, target: self._weighted_loss(out, target), self.timeline)
 
     def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
@@ -249,7 +251,8 @@ class ParallelModel:
                                    **({"target": targets, "losses": losses} if last_stage else {}))
         if last_stage and self._total is not None:  # no labelled token in the global batch: its mean loss is NaN
             self.grad_sync.nonfinite.observe(nonfinite.LOSS, torch.where(self._total > 0, 0.0, float("nan")))
-        self.grad_sync.flush()
+        with self.timeline.span("sync"):
+            self.grad_sync.flush()
         return self._global_loss(losses) if last_stage else None
 
     @contextlib.contextmanager

@@ -16,10 +16,11 @@ from tied_training import Job
 from tiny_gpt import GPTConfig
 
 
-def job(model, pp, dp, cp, checkpointing, inputs="", labels="full", **options):
+def job(model, pp, dp, cp, checkpointing, inputs="", labels="full", layers=2, **options):
     seq = 16 if model == "tiny_gpt" else 64  # Qwen2's window 16 then hides keys
     return Job(pp=pp, dp=dp, cp=cp, steps=2, optimizer="sgd", lr=0.5, model=model, checkpointing=checkpointing,
-               inputs=inputs, labels=labels, config=GPTConfig(seq=seq), options={"compiler": "eager", **options})
+               inputs=inputs, labels=labels, config=GPTConfig(seq=seq, layers=layers),
+               options={"compiler": "eager", **options})
 
 
 CASES = {  # Llama, Qwen2 and Mistral (windows), eager and Inductor, ring and a2a, dp2 x cp2 and pp2 x cp2, sharded
@@ -29,9 +30,10 @@ CASES = {  # Llama, Qwen2 and Mistral (windows), eager and Inductor, ring and a2
     # pipelining's trace drops the checkpoint: gradsched puts it back on the stage's layers
     "hf_qwen2_window_reentrant_pp2_cp2_m2_a2a": job("hf_qwen2", 2, 1, 2, "reentrant", microbatches=2, comm="a2a"),
     # Inductor: Mistral's window over packed documents, balanced (each rank a piece of every document), with
-    # the checkpointed layers' ring recomputed: one cold compile for both (tests/test_cp_masked_models.py)
+    # the checkpointed layers' ring recomputed: one cold compile for both (tests/test_cp_masked_models.py), of
+    # one layer (a second compiles the same kernels again)
     "inductor_hf_mistral_window_documents_balanced_non_reentrant_dp2_cp2": job(
-        "hf_mistral", 1, 2, 2, "non_reentrant", inputs="documents", load_balance="documents",
+        "hf_mistral", 1, 2, 2, "non_reentrant", inputs="documents", load_balance="documents", layers=1,
         compiler="inductor"),
     # the user's own torch.utils.checkpoint around each block, with a policy that recomputes attention (eager:
     # Inductor's part of a checkpointed ring is the Qwen2 row's)

@@ -82,8 +82,8 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
     "inductor_pp2_cp2_params_m4": job(2, 1, 2, microbatches=4, shard="params", steps=5, host_reads=STEADY,
                                       capture_code=True, compiler="inductor"),
     "inductor_dp2_cp2_a2a_all_reduce": job(1, 2, 2, comm="a2a", shard=False, compiler="inductor"),
-    # causal ring in the plain layout: the ranks do unequal work, and every compiled graph keeps its collectives
-    "inductor_dp2_cp2_plain_layout_causal_ring": job(1, 2, 2, load_balance=False, compiler="inductor"),
+    # (the plain layout's causal ring, where ranks do unequal work, keeps every collective in each rank's compiled
+    # graphs: tests/test_collectives_kept.py, one process; trained eagerly above)
 }
 
 

@@ -160,8 +160,14 @@ class GradSync:
 
     def take_w(self):
         """The W of the backward just run (the schedule's dw_builder): a callable to run when the schedule
-        says. A no-op when that backward queued none (nothing of it needed a gradient)."""
-        return self._handoff.pop() if self._handoff else (lambda: None)
+        says. Every W queued since the last take (a stage of several graphs queues one each), in order; a
+        no-op when none was (nothing of that backward needed a gradient)."""
+        taken, self._handoff = self._handoff, []
+
+        def run():
+            for w in taken:
+                w()
+        return run
 
     def drop_w(self) -> None:
         """Forget the W of backwards whose results are not the model's (pipelining's shape inference)."""

@@ -13,6 +13,9 @@ The stage tells the gradient sync which backward is the step's last and notes wh
 """
 from __future__ import annotations
 
+import contextlib
+import time
+
 import torch.nn as nn
 
 from gradsched.sync import nonfinite
@@ -21,9 +24,30 @@ SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p")
 SPLIT_BACKWARD = ("zb1p",)  # schedules that run each backward as B and W (gradsched.sync.runtime)
 
 
-def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m: int, device, loss_fn):
+class Timeline:
+    """When `on`, the stage's work as (kind, micro-batch, start, end) in time.perf_counter() seconds: "F" a
+    forward (with the loss on the last stage), "B" an inputs' backward ("BW" a whole one), "W" a weights'
+    backward, "sync" the flush. benchmarks/pipeline.py measures the bubble from it and draws it."""
+    def __init__(self):
+        self.on, self.events = False, []
+
+    @contextlib.contextmanager
+    def span(self, kind: str, microbatch: int = -1):
+        if not self.on:
+            yield
+            return
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.events.append((kind, microbatch, t0, time.perf_counter()))
+
+
+def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m: int, device, loss_fn,
+                      timeline: Timeline | None = None):
     """The schedule object (its .step runs one training step) for this rank's stage: `module` is the compiled
     stage, `stage_module` the module it compiles, `sync` the stage's GradSync, `m` micro-batches."""
+    timeline = timeline or Timeline()
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
                                               ScheduleInterleavedZeroBubble)
     split = name in SPLIT_BACKWARD
@@ -33,7 +57,8 @@ def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m:
         # runs an extra shape-inference backward on its first step). A zero-bubble schedule marks only
         # the last W: the backward (B) of the last micro-batch is the one that builds the reductions
         def backward_one_chunk(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
-            with sync.step_boundary(last=bwd_chunk_id == m - 1 if split else last_backward):
+            with sync.step_boundary(last=bwd_chunk_id == m - 1 if split else last_backward), \
+                    timeline.span("B" if split and not full_backward else "BW", bwd_chunk_id):
                 out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
             if not self.is_first:  # what it sends back: noted on the device, never read here
                 sync.nonfinite.observe(nonfinite.BACKWARD, self.bwd_cache.get(bwd_chunk_id))
@@ -51,8 +76,13 @@ def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m:
             sync.drop_w()  # its gradients are of empty tensors, never the model's
             return out
 
+        def backward_weight_one_chunk(self, bwd_chunk_id, last_backward=False):
+            with timeline.span("W", bwd_chunk_id):
+                return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
-            out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
+            with timeline.span("F", fwd_chunk_id):
+                out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
             if not self.is_last:  # what it sends on (the last stage's output is checked as its loss)
                 sync.nonfinite.observe(nonfinite.FORWARD, out)
             return out
