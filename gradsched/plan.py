@@ -120,8 +120,8 @@ class ParallelPlan:
     def group_ranks(self, kind: str) -> tuple[int, ...]:
         return self._group(kind)[0]
 
-    def tie_group(self, stages: tuple[int, ...]) -> tuple[tuple[int, ...], dist.ProcessGroup]:
-        """The group that sums a tied weight's copies held by `stages`.
+    def tie_group(self, stages: tuple[int, ...]) -> tuple[tuple[int, ...], dist.ProcessGroup] | None:
+        """The group that sums a tied weight's copies held by `stages` (None on a rank of no such stage).
 
         Must be called by every rank for the same `stages`, in the same order:
         tie discovery is deterministic, so it is.

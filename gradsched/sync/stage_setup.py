@@ -56,10 +56,11 @@ def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), 
     stage = plan.stage if stage is None else stage
     rank = plan.rank
     all_ties = sorted(ties, key=lambda t: t.key)
-    groups = {t.key: plan.tie_group(t.stages) for t in all_ties}  # every rank, every tie, one order
+    # every rank, every tie, one order; None on a rank outside the tie (a middle stage at pp > 2)
+    groups = {t.key: plan.tie_group(t.stages) for t in all_ties}
     if dist.is_initialized():  # the watchdog publishes what this rank has issued on each (gradsched.sync.stuck)
         for pg in [plan.group or dist.group.WORLD, *(plan.process_group(k) for k in ("grad", "dp", "cp", "pp")),
-                   *(groups[t.key][1] for t in all_ties)]:
+                   *(groups[t.key][1] for t in all_ties if groups[t.key] is not None)]:
             register_group(pg)
     mine = {t.name_on(stage): t for t in all_ties if t.name_on(stage)}
     return StageSetup(
