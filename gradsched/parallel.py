@@ -245,6 +245,7 @@ class ParallelModel:
             if self.module is None:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
             first, losses = self.plan.stage == 0, []
+            self.grad_sync.begin_step()
             with self._stage_errors():
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
                 self.schedule.step(*(inputs if first else ()), return_outputs=False,

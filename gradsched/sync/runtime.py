@@ -104,7 +104,9 @@ class GradSync:
         def plain(args):  # earlier micro-batches (or every one, with nothing to reduce here): autograd accumulates
             self.backward_calls += 1
             if built.plain_split is not None:
-                return self._defer_w(built.plain_split, list(args) + shards(), len(args),
+                rec = built.plain_split.record
+                return self._defer_w(built.plain_split, list(args) + shards(),
+                                     len(rec.input_outputs) + len(rec.weight_outputs),
                                      lambda grads: _accumulate(grads, built.grad_names, params))
             return built.plain(list(args) + shards())
         plain._boxed_call = True
@@ -143,20 +145,27 @@ class GradSync:
         out = [None] * n_outputs
         for i, v in zip(rec.input_outputs, res[:n]):
             out[i] = v
-        stash = res[n:]
-        kept = {i: args[i] for i in rec.w_inputs if i < len(args)}  # only what W reads stays alive
+        stash, n_args = res[n:], len(args)
+        kept = {i: args[i] for i in rec.w_inputs if i < n_args}  # only what W reads stays alive (not `args`)
 
         def w():
-            full = {**kept, **dict(enumerate(late(), start=len(args)))}
-            ins = stash + [full[i] for i in rec.w_inputs]
-            with torch.no_grad():  # as inside autograd's backward: saved inputs may require grad
-                outs = [_own(g, ins) for g in fns.w(ins)]
-            finish(dict(zip(rec.weight_outputs, outs)))
-            self._w_outstanding -= 1
+            try:
+                full = {**kept, **dict(enumerate(late(), start=n_args))}
+                ins = stash + [full[i] for i in rec.w_inputs]
+                with torch.no_grad():  # as inside autograd's backward: saved inputs may require grad
+                    outs = _own(fns.w(ins), ins)
+                finish(dict(zip(rec.weight_outputs, outs)))
+            finally:
+                self._w_outstanding -= 1
         self._handoff.append(w)
         self._w_outstanding += 1
         self.w_queued_max = max(self.w_queued_max, self._w_outstanding)
         return out
+
+    def begin_step(self) -> None:
+        """A step starts: nothing queued from a step that failed part way (its W never ran, and never will)."""
+        self._handoff.clear()
+        self._w_outstanding = 0
 
     def take_w(self):
         """The W of the backward just run (the schedule's dw_builder): a callable to run when the schedule
@@ -337,11 +346,17 @@ def _accumulate(grads: dict, names: dict, params: dict) -> None:
             p.grad += g
 
 
-def _own(g, inputs) -> torch.Tensor | None:
-    """W's output as a tensor .grad may own: a copy where it is (a view of) an input, which others hold."""
-    if g is not None and (g._is_view() or any(g is a for a in inputs)):
-        return g.clone()
-    return g
+def _own(outputs, inputs) -> list:
+    """W's outputs as tensors .grad may own (autograd's AccumulateGrad copies a gradient others hold): a copy of
+    one that is (a view of) an input, or that an earlier output already is (two parameters' gradients one node)."""
+    owned, seen = [], set()
+    for g in outputs:
+        if g is not None and (g._is_view() or id(g) in seen or any(g is a for a in inputs)):
+            g = g.clone()
+        if g is not None:
+            seen.add(id(g))
+        owned.append(g)
+    return owned
 
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
