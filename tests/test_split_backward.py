@@ -153,3 +153,14 @@ def test_a_weight_position_outside_the_outputs_is_refused():
     gm, _, _ = captured_backward(module, *inputs)
     with pytest.raises(ValueError, match="outside the graph's"):
         split_backward(gm, SplitSpec(frozenset({10_000})))
+
+
+@pytest.mark.parametrize("stage", ["middle", "whole_tied_model"])
+def test_b_takes_only_the_inputs_it_reads_and_w_may_take_the_rest_later(stage):
+    module, inputs = stages()[stage]
+    gm, args, weights = captured_backward(module, *inputs)
+    _, rec = run_split(gm, args, weights)
+    for ph in rec.b.graph.find_nodes(op="placeholder"):  # every input B is given, B reads (or returns)
+        assert ph.users, ph.name
+    if stage == "middle":  # a Linear's saved input feeds its weight gradient only: W's, not B's
+        assert set(rec.w_inputs) - set(rec.b_inputs)
