@@ -7,8 +7,9 @@ small that its compute is negligible, so what is left is what the CPU spends dri
 A 2-layer GPT (dim 64), 8 micro-batches of one sequence per rank, AdamW. gradsched runs pp x dp with Inductor
 (its pipeline at pp 2); DDP (torch.compile over DistributedDataParallel, no_sync but on the last micro-batch)
 and FSDP2 (fully_shard per block and at the root, torch.compile, gradient sync on the last micro-batch only)
-run the same pp x dp processes as plain data parallel, each rank with the same 8 micro-batches. Steps 1 to 4
-warm up (compiles); steps 5 to 25 are timed; then 5 more run under cProfile. One JSON object per implementation:
+run the same pp x dp processes as plain data parallel, each rank with the same 8 micro-batches. All of them run
+on the same processes, their steps interleaved (a step of each in turn: the machine's own noise falls on all
+alike). Steps 1 to 4 warm up (compiles); steps 5 to 25 are timed; then 5 more of each run under cProfile. One JSON object per implementation:
 
   step_ms_median          median over the timed steps of the slowest rank's step (train_step or the
                           micro-batches' forward and backward, then optimizer step and zero_grad)
@@ -40,10 +41,11 @@ from gradsched.launch import run_ranks
 from tied_training import Job, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
 
-IMPLS = ("gradsched", "ddp", "fsdp2")
+IMPLS = ("gradsched", "gradsched_allreduce", "ddp", "fsdp2")  # gradsched_allreduce: shard=False, as DDP reduces
 CONFIG = GPTConfig(vocab=64, seq=16, dim=64, heads=4, layers=2)
 MICROBATCHES, WARMUP, TIMED, PROFILED = 8, 4, 21, 5
-OWN = {"gradsched": ("/gradsched/",), "ddp": ("torch/nn/parallel/distributed.py",),
+OWN = {"gradsched": ("/gradsched/",), "gradsched_allreduce": ("/gradsched/",),
+       "ddp": ("torch/nn/parallel/distributed.py",),
        "fsdp2": ("torch/distributed/fsdp/",), "pipelining": ("torch/distributed/pipelining/",)}
 
 
@@ -52,11 +54,12 @@ class Trainer:
         import torch.distributed as dist
         model, split_points = build_model(job)
         self.impl, self.m = impl, MICROBATCHES
-        if impl == "gradsched":
+        if impl.startswith("gradsched"):
             import gradsched
             self.plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
             self.model = gradsched.parallelize(model, plan=self.plan, loss_fn=lm_loss, microbatches=self.m,
-                                               split_points=split_points if job.pp > 1 else (), compiler="inductor")
+                                               split_points=split_points if job.pp > 1 else (), compiler="inductor",
+                                               shard=impl == "gradsched")
             self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
             self.dp_idx = self.plan.coords()[1]
             return
@@ -75,7 +78,7 @@ class Trainer:
         self.dp_idx = dist.get_rank()
 
     def step(self, x, y) -> None:
-        if self.impl == "gradsched":
+        if self.impl.startswith("gradsched"):
             self.model.train_step(x, y)
         else:
             for i, (xi, yi) in enumerate(zip(x.chunk(self.m), y.chunk(self.m))):
@@ -116,27 +119,38 @@ def watchdog_cpu_s() -> float:
         return 0.0
 
 
-def rank_run(rank: int, world: int, impl: str, job: Job) -> dict:
-    trainer = Trainer(impl, job)
-    per_rank = job.global_batch // (world if impl != "gradsched" else job.dp)
-    sl = slice(trainer.dp_idx * per_rank, (trainer.dp_idx + 1) * per_rank)
-    times = []
-    for step in range(WARMUP + TIMED):
-        x, y = batch(job, step)
+def rank_run(rank: int, world: int, impls: list, jobs: dict) -> dict:
+    """Every implementation on these processes, their timed steps interleaved (one step of each in turn), so that
+    whatever else the machine does falls on all of them alike; then each profiled on its own."""
+    trainers = {impl: Trainer(impl, jobs[impl]) for impl in impls}
+
+    def step(impl, i):
+        trainer, job = trainers[impl], jobs[impl]
+        per_rank = job.global_batch // (job.dp if impl.startswith("gradsched") else world)
+        sl = slice(trainer.dp_idx * per_rank, (trainer.dp_idx + 1) * per_rank)
+        x, y = batch(job, i)
         t0 = time.perf_counter()
         trainer.step(x[sl], y[sl])
-        times.append(time.perf_counter() - t0)
-    watch0, prof = watchdog_cpu_s(), cProfile.Profile()
-    for step in range(PROFILED):
-        x, y = batch(job, WARMUP + TIMED + step)
+        return time.perf_counter() - t0
+
+    times = {impl: [] for impl in impls}
+    for i in range(WARMUP + TIMED):
+        for impl in impls:
+            times[impl].append(step(impl, i))
+    out = {}
+    for impl in impls:
+        watch0, prof = watchdog_cpu_s(), cProfile.Profile()
         prof.enable()
-        trainer.step(x[sl], y[sl])
+        for i in range(PROFILED):
+            step(impl, WARMUP + TIMED + i)
         prof.disable()
-    watchdog_ms = 1e3 * (watchdog_cpu_s() - watch0) / PROFILED
-    stats = pstats.Stats(prof)
-    per_mb = PROFILED * MICROBATCHES
-    return {"step_times": times[WARMUP:], "own_ms_per_mb": own_ms(stats, OWN[impl]) / per_mb + watchdog_ms / MICROBATCHES,
-            "pipelining_ms_per_mb": own_ms(stats, OWN["pipelining"]) / per_mb, "watchdog_ms_per_step": watchdog_ms}
+        watchdog_ms = 1e3 * (watchdog_cpu_s() - watch0) / PROFILED if impl.startswith("gradsched") else 0.0
+        stats, per_mb = pstats.Stats(prof), PROFILED * MICROBATCHES
+        out[impl] = {"step_times": times[impl][WARMUP:],
+                     "own_ms_per_mb": own_ms(stats, OWN[impl]) / per_mb + watchdog_ms / MICROBATCHES,
+                     "pipelining_ms_per_mb": own_ms(stats, OWN["pipelining"]) / per_mb,
+                     "watchdog_ms_per_step": watchdog_ms}
+    return out
 
 
 def main(argv=None) -> int:
@@ -153,23 +167,35 @@ def main(argv=None) -> int:
     job = Job(pp=args.pp, dp=args.dp, global_batch=MICROBATCHES * world if args.pp == 1 else MICROBATCHES * args.dp,
               config=CONFIG, split_points=("blocks.1",))
     out = args.out if args.out is not None else RESULTS / f"host_overhead_pp{args.pp}_dp{args.dp}.jsonl"
-    rows, ddp_ms = [], None
-    for impl in sorted(args.impl, key=lambda i: i != "ddp"):  # DDP first: the others' ratio
-        impl_job = job if impl == "gradsched" else Job(**{**job.__dict__, "global_batch": MICROBATCHES * world})
-        print(f"host_overhead.py: {impl} on {world} processes ...", flush=True)
-        ranks = run_ranks(rank_run, world, impl, impl_job, timeout_s=1800)
-        step_ms = 1e3 * statistics.median(max(s) for s in zip(*(r["step_times"] for r in ranks)))
-        ddp_ms = step_ms if impl == "ddp" else ddp_ms
-        row = {"bench": "host_overhead", "impl": impl, "pp": args.pp if impl == "gradsched" else 1,
-               "dp": args.dp if impl == "gradsched" else world, "processes": world, "microbatches": MICROBATCHES,
-               "device": "cpu", "step_ms_median": round(step_ms, 2),
-               "vs_ddp": round(step_ms / ddp_ms, 3) if ddp_ms else None,
-               "host_ms_per_microbatch": round(max(r["own_ms_per_mb"] for r in ranks), 3)}
-        if impl == "gradsched":
-            row["pipelining_ms_per_microbatch"] = round(max(r["pipelining_ms_per_mb"] for r in ranks), 3)
-            row["watchdog_ms_per_step"] = round(max(r["watchdog_ms_per_step"] for r in ranks), 3)
-        rows.append(row)
-        emit(rows[-1:], out, append=len(rows) > 1)
+    # DDP first (the others' ratio), interleaved with each other implementation on one set of processes: FSDP2's
+    # per-block compiles and gradsched's whole-stage ones do not share processes (Dynamo's caches are per code
+    # object, and fully_shard's hooks break the model's graph for every compile of it)
+    others = [i for i in args.impl if i != "ddp"] or ["ddp"]
+    rows = []
+    for other in others:
+        impls = ["ddp"] + ([other] if other != "ddp" else [])
+        jobs = {impl: job if impl.startswith("gradsched") else Job(**{**job.__dict__, "global_batch": MICROBATCHES * world})
+                for impl in impls}
+        print(f"host_overhead.py: {' and '.join(impls)} on the same {world} processes, steps interleaved ...",
+              flush=True)
+        ranks = run_ranks(rank_run, world, impls, jobs, timeout_s=1800)
+        ddp_ms = None
+        for impl in impls:
+            per_rank = [r[impl] for r in ranks]
+            step_ms = 1e3 * statistics.median(max(s) for s in zip(*(r["step_times"] for r in per_rank)))
+            ddp_ms = step_ms if impl == "ddp" else ddp_ms
+            if impl == "ddp" and any(r["impl"] == "ddp" for r in rows):
+                continue  # one DDP row, the first run's; each run's ratio is to its own DDP
+            mine = impl.startswith("gradsched")
+            row = {"bench": "host_overhead", "impl": impl, "pp": args.pp if mine else 1, "dp": args.dp if mine else world, "processes": world, "microbatches": MICROBATCHES,
+                   "device": "cpu", "step_ms_median": round(step_ms, 2),
+                   "vs_ddp": round(step_ms / ddp_ms, 3) if ddp_ms else None,
+                   "host_ms_per_microbatch": round(max(r["own_ms_per_mb"] for r in per_rank), 3)}
+            if mine:
+                row["pipelining_ms_per_microbatch"] = round(max(r["pipelining_ms_per_mb"] for r in per_rank), 3)
+                row["watchdog_ms_per_step"] = round(max(r["watchdog_ms_per_step"] for r in per_rank), 3)
+            rows.append(row)
+            emit(rows[-1:], out, append=len(rows) > 1)
     return 0
 
 

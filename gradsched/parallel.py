@@ -250,8 +250,8 @@ class ParallelModel:
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
                 self.schedule.step(*(inputs if first else ()), return_outputs=False,
                                    **({"target": targets, "losses": losses} if last_stage else {}))
-        if last_stage and self._total is not None:  # no labelled token in the global batch: its mean loss is NaN
-            self.grad_sync.nonfinite.observe(nonfinite.LOSS, torch.where(self._total > 0, 0.0, float("nan")))
+        if last_stage:  # one check of the step's losses (and, averaging, of a global batch with no labelled token)
+            self.grad_sync.nonfinite.observe(nonfinite.LOSS, self._loss_check(losses))
         with self.timeline.span("sync"):
             self.grad_sync.flush()
         return self._global_loss(losses) if last_stage else None
@@ -292,13 +292,15 @@ class ParallelModel:
     def _weighted_loss(self, out, target):
         """A micro-batch's share of the step's loss, from its own targets (no call counting: pipelining
         computes one extra loss on its first step)."""
-        def observe(loss):
-            self.grad_sync.nonfinite.observe(nonfinite.LOSS, loss)
         if self._total is None:
-            loss = self.loss_fn(out, target)
-            observe(loss)
-            return loss
-        return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index, observe)
+            return self.loss_fn(out, target)
+        return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index)
+
+    def _loss_check(self, losses) -> torch.Tensor:
+        """One scalar, non-finite exactly when a micro-batch's loss is (or, averaging, when the global batch has
+        no labelled token: its mean loss is NaN): observed once a step, not per micro-batch."""
+        check = torch.stack([loss.detach() for loss in losses]).sum()
+        return check if self._total is None else check + torch.where(self._total > 0, 0.0, float("nan"))
 
     def _global_loss(self, losses) -> torch.Tensor:
         return loss_weights.global_loss(losses, self.plan, self.options.average, self._total)

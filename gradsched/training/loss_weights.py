@@ -53,16 +53,17 @@ class _GradientUnless(torch.autograd.Function):
         return torch.where(keep, grad, 0.0), None
 
 
-def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int, observe):
-    """A micro-batch's share of the step's loss (`observe(loss)` sees its unweighted loss). Branch-free: a
-    micro-batch whose targets are all ignore_index contributes exact zeros, decided on the device."""
+def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
+    """A micro-batch's share of the step's loss. Branch-free: a micro-batch whose targets are all ignore_index
+    contributes exact zeros, decided on the device. Nothing here reads or checks values: the step observes its
+    losses for non-finite values once, at its end (a weighted loss is non-finite exactly where its loss is and
+    it has labelled tokens)."""
     n = labelled(target, ignore_index)
     keep = n > 0  # never read on the host
     gate = lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
     gated = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
-    loss = torch.where(keep, loss_fn(gated, target), 0.0)  # 0/0 on an empty micro-batch: exact zero instead
-    observe(loss)
     weight = n * len(plan.group_ranks("grad")) / total  # n <= total: where keep, total > 0
+    loss = loss_fn(gated, target)  # 0/0 on an empty micro-batch: the where gives exact zero instead
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
