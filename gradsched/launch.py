@@ -34,7 +34,9 @@ def free_port() -> int:
 
 def _entry(rank, world, port, fn, args, out_dir, collective_timeout_s):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                      # ranks compiling one graph take turns, the others read Inductor's cache (gradsched.sync.compile)
+                      GRADSCHED_COMPILE_LOCKS=os.path.join(out_dir, "compile-locks"))
     torch.set_num_threads(1)
     import torch.distributed as dist
     result = None
@@ -93,6 +95,7 @@ def run_ranks(fn, world: int, *args, timeout_s: float = 300.0, collective_timeou
     ctx = _context()
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
+        os.mkdir(os.path.join(out_dir, "compile-locks"))
         procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, out_dir, collective_timeout_s),
                              daemon=True) for r in range(world)]
         for p in procs:

@@ -20,7 +20,8 @@ def job(model, pp, dp, cp, inputs="", **options):
 
 
 CASES = {
-    "mistral_window16_packed_documents_dp2_cp2_a2a": job("hf_mistral", 1, 2, 2, inputs="documents", comm="a2a"),
+    # (documents under all-to-all: the hybrid below, and the balanced pp2 x cp2 case; a data-parallel axis beside CP:
+    # the balanced Llama ring and the checkpointed cases of tests/test_cp_checkpointing.py)
     "mistral_window16_cp4_auto": job("hf_mistral", 1, 1, 4, comm="auto"),  # a mask: auto keeps the ring
     # all-to-all over CP ranks {0,1}, {2,3} x ring over {0,2}, {1,3}, with the window and documents (the
     # 8-rank case below runs it under a pipeline)

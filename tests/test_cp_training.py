@@ -17,7 +17,7 @@ def assert_matches(job, ranks):
 def test_the_ring_compiled_by_inductor_holds_its_block_kernels_and_hand_offs(inductor_runs):
     """The option matrix's pp2 x cp2 Inductor row (it trains like one process there; tests/conftest.py runs it
     once): every stage's compiled code runs the ring, its block kernels and the K/V hand-off."""
-    for r in inductor_runs["inductor_pp2_cp2_params_m4"]:
+    for r in inductor_runs["inductor_pp2_cp2_params_small_buckets_m4"]:
         code = "\n".join(r["code"])
         assert "_scaled_dot_product_flash_attention_for_cpu" in code and "_c10d_functional" in code
 

@@ -82,8 +82,10 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                              clip=CLIP, steps=5, host_reads=STEADY,
                                                              inject_host_read=True, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
-    "inductor_pp2_cp2_params_m4": job(2, 1, 2, microbatches=4, shard="params", steps=5, host_reads=STEADY,
-                                      capture_code=True, compiler="inductor"),
+    # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code
+    "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
+                                                    steps=5, host_reads=STEADY, capture_code=True,
+                                                    compiler="inductor"),
     # (all-to-all under Inductor: tests/test_masked_attention.py compiles the masked hybrid, all-to-all and ring,
     # against fp64; shard=False under Inductor: tests/test_entry_points.py)
     # (the plain layout's causal ring, where ranks do unequal work, keeps every collective in each rank's compiled

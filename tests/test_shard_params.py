@@ -22,8 +22,8 @@ CASES = {
     "params_dp2_cp2": job(1, 2, 2, shard="params"),
     "params_pp1_dp4_no_reshard_after_forward": job(1, 4, bucket_mb=0.004, shard="params",
                                                    reshard_after_forward=False),
-    # pp2 under Inductor: the option matrix's inductor_pp2_cp2_params_m4 (each row a cold compile)
-    "inductor_params_pp1_dp4_small_buckets": job(1, 4, bucket_mb=0.004, shard="params", compiler="inductor"),
+    # under Inductor, small buckets: the option matrix's inductor_pp2_cp2_params_small_buckets_m4 (each row a cold
+    # compile)
 }
 
 
