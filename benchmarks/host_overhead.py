@@ -9,7 +9,9 @@ A 2-layer GPT (dim 64), 8 micro-batches of one sequence per rank, AdamW. gradsch
 and FSDP2 (fully_shard per block and at the root, torch.compile, gradient sync on the last micro-batch only)
 run the same pp x dp processes as plain data parallel, each rank with the same 8 micro-batches. All of them run
 on the same processes, their steps interleaved (a step of each in turn: the machine's own noise falls on all
-alike). Steps 1 to 4 warm up (compiles); steps 5 to 25 are timed; then 5 more of each run under cProfile. One JSON object per implementation:
+alike). Steps 1 to 4 warm up (compiles); steps 5 to 25 are timed; then 5 more of each run under cProfile.
+gradsched_allreduce is gradsched with shard=False (the gradients all-reduced, as DDP does). One JSON object per
+implementation:
 
   step_ms_median          median over the timed steps of the slowest rank's step (train_step or the
                           micro-batches' forward and backward, then optimizer step and zero_grad)
@@ -174,8 +176,8 @@ def main(argv=None) -> int:
     rows = []
     for other in others:
         impls = ["ddp"] + ([other] if other != "ddp" else [])
-        jobs = {impl: job if impl.startswith("gradsched") else Job(**{**job.__dict__, "global_batch": MICROBATCHES * world})
-                for impl in impls}
+        whole = Job(**{**job.__dict__, "global_batch": MICROBATCHES * world})  # DDP and FSDP2: every process a replica
+        jobs = {impl: job if impl.startswith("gradsched") else whole for impl in impls}
         print(f"host_overhead.py: {' and '.join(impls)} on the same {world} processes, steps interleaved ...",
               flush=True)
         ranks = run_ranks(rank_run, world, impls, jobs, timeout_s=1800)
@@ -187,7 +189,8 @@ def main(argv=None) -> int:
             if impl == "ddp" and any(r["impl"] == "ddp" for r in rows):
                 continue  # one DDP row, the first run's; each run's ratio is to its own DDP
             mine = impl.startswith("gradsched")
-            row = {"bench": "host_overhead", "impl": impl, "pp": args.pp if mine else 1, "dp": args.dp if mine else world, "processes": world, "microbatches": MICROBATCHES,
+            row = {"bench": "host_overhead", "impl": impl, "pp": args.pp if mine else 1,
+                   "dp": args.dp if mine else world, "processes": world, "microbatches": MICROBATCHES,
                    "device": "cpu", "step_ms_median": round(step_ms, 2),
                    "vs_ddp": round(step_ms / ddp_ms, 3) if ddp_ms else None,
                    "host_ms_per_microbatch": round(max(r["own_ms_per_mb"] for r in per_rank), 3)}

@@ -238,9 +238,11 @@ class ParallelModel:
             for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
                 with self._stage_errors():
                     loss = self._weighted_loss(self.module(*x), y)
+                    losses.append(loss.detach())
+                    if i == m - 1:  # the step's loss reduced while the last backward runs
+                        step_loss = self._step_loss(losses)
                     with self.grad_sync.step_boundary(last=i == m - 1):
                         loss.backward()
-                losses.append(loss.detach())
         else:
             if self.module is None:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
@@ -250,11 +252,10 @@ class ParallelModel:
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
                 self.schedule.step(*(inputs if first else ()), return_outputs=False,
                                    **({"target": targets, "losses": losses} if last_stage else {}))
-        if last_stage:  # one check of the step's losses (and, averaging, of a global batch with no labelled token)
-            self.grad_sync.nonfinite.observe(nonfinite.LOSS, self._loss_check(losses))
+            step_loss = self._step_loss(losses) if last_stage else None
         with self.timeline.span("sync"):
             self.grad_sync.flush()
-        return self._global_loss(losses) if last_stage else None
+        return step_loss() if last_stage else None
 
     @contextlib.contextmanager
     def _stage_errors(self):
@@ -296,13 +297,15 @@ class ParallelModel:
             return self.loss_fn(out, target)
         return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index)
 
-    def _loss_check(self, losses) -> torch.Tensor:
-        """One scalar, non-finite exactly when a micro-batch's loss is (or, averaging, when the global batch has
-        no labelled token: its mean loss is NaN): observed once a step, not per micro-batch."""
+    def _step_loss(self, losses):
+        """The step's loss over the global batch, issued (a function that waits for it: see
+        loss_weights.global_loss). Its micro-batches' losses are checked once here, not each on its own: the
+        check is non-finite exactly when one of them is (or, averaging, when the global batch has no labelled
+        token: its mean loss is NaN)."""
         check = torch.stack([loss.detach() for loss in losses]).sum()
-        return check if self._total is None else check + torch.where(self._total > 0, 0.0, float("nan"))
-
-    def _global_loss(self, losses) -> torch.Tensor:
+        if self._total is not None:
+            check = check + torch.where(self._total > 0, 0.0, float("nan"))
+        self.grad_sync.nonfinite.observe(nonfinite.LOSS, check)
         return loss_weights.global_loss(losses, self.plan, self.options.average, self._total)
 
     def named_parameters(self):

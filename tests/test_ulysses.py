@@ -27,7 +27,9 @@ HYBRID = {  # comm="hybrid" at cp=4, a2a_degree 2 (all-to-all over ranks {0,1}, 
     "hybrid-fp32-causal-mqa": (torch.float32, True, 1, True),  # the one key/value head repeated to both
     "hybrid-fp32-full-mha-plain": (torch.float32, False, HQ, False),
 }
-COMPILED = ("bf16-causal-gqa", "hybrid-bf16-causal-gqa")
+# compiled by Inductor as well, at cp 2 (each compiled case costs the suite a cold compile per rank); the hybrid
+# under Inductor: tests/test_masked_attention.py compiles a masked one at cp 4, against fp64
+COMPILED = {2: ("bf16-causal-gqa",), 4: ()}
 
 
 def _worker(rank, world):
@@ -43,7 +45,7 @@ def _worker(rank, world):
             return ring_attention(ql, kl, vl, group, causal=causal, load_balance=lb, return_lse=name in HYBRID,
                                   **comm)
         fns = {"eager": attend}
-        if name in COMPILED:
+        if name in COMPILED[world]:
             fns["inductor"] = torch.compile(attend, fullgraph=True, backend="inductor")
         for how, fn in fns.items():
             ql, kl, vl = (shard(x, world, rank, dim=2, load_balance=lb).requires_grad_() for x in (q, k, v))
@@ -95,11 +97,6 @@ def test_hybrid_returns_the_whole_sequence_log_sum_exp():
     scores = q.double() @ k.double().transpose(-1, -2) / q.shape[-1] ** 0.5
     scores = scores.masked_fill(torch.ones(S, S, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(result(4, name)[4].double(), scores.logsumexp(-1), rtol=0, atol=1e-5)
-
-
-def test_hybrid_compiles_fullgraph_with_inductor_and_matches_eager():
-    for a, b in zip(result(4, "hybrid-bf16-causal-gqa", "inductor")[:4], result(4, "hybrid-bf16-causal-gqa")[:4]):
-        assert (a.double() - b.double()).abs().max().item() <= torch.finfo(torch.bfloat16).eps * b.abs().max().item()
 
 
 def test_query_heads_that_do_not_divide_over_cp_are_refused_naming_the_ring():

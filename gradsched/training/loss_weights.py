@@ -11,7 +11,6 @@ and ranks alike.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from gradsched.plan import ParallelPlan
@@ -67,18 +66,21 @@ def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, igno
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
-def global_loss(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None) -> torch.Tensor:
+def global_loss(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None):
     """The step's loss over the global batch (mean over labelled tokens, or sum), from this rank's
     micro-batch losses: the same on every rank of the last stage. `total` (with average): the global
-    batch's labelled tokens; none makes the loss NaN, as the mean over nothing is in one process."""
+    batch's labelled tokens; none makes the loss NaN, as the mean over nothing is in one process.
+
+    Its all-reduce is issued here and not waited for (at pp = 1 the last micro-batch's backward runs
+    meanwhile): returns a function that gives the loss, waiting for it."""
     loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
     group_size = len(plan.group_ranks("grad"))
     if average:
         loss = loss / group_size
+    if total is not None:  # the global count, the same on every rank: a NaN here is a NaN in the sum
+        loss = torch.where(total > 0, loss, torch.full_like(loss, float("nan")))
     if group_size > 1:
         pg = plan.process_group("grad")
         with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, loss.dtype):
-            dist.all_reduce(loss, group=pg)
-    if total is not None:
-        loss = torch.where(total > 0, loss, torch.full_like(loss, float("nan")))
-    return loss.float()
+            loss = funcol.all_reduce(loss, "sum", pg)
+    return lambda: loss.float()
