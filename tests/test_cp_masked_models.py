@@ -27,11 +27,9 @@ CASES = {
     # 8-rank case below runs it under a pipeline)
     "qwen2_window16_packed_documents_cp4_hybrid": job("hf_qwen2", 1, 1, 4, inputs="documents", comm="hybrid",
                                                       a2a_degree=2),
-    # pipeline stages: positions reach the second stage's attention as a computed value, the padding mask
-    # handed to an unchanged call per stage
-    "qwen2_window16_right_padding_pp2_cp2_m2_a2a": job("hf_qwen2", 2, 1, 2, inputs="padding", microbatches=2,
-                                                       comm="a2a"),
-    # local and global layers in different stages, under the ring
+    # pipeline stages: positions reach the second stage's attention as a computed value, the padding mask handed to
+    # an unchanged call per stage; local and global layers in different stages, under the ring (Qwen2 at pp2 under
+    # all-to-all: tests/test_cp_checkpointing.py)
     "gemma3_local_and_global_right_padding_pp2_cp2_m2": job("hf_gemma3", 2, 1, 2, inputs="padding", microbatches=2),
     # load_balance="documents": every row reordered so each rank holds a piece of every document, which the
     # model is told as seq_idx (the window then measured on positions)

@@ -42,13 +42,14 @@ CASES = {
     "pp2_dp2_1f1b_m4_adamw": job(2, 2, microbatches=4, optimizer="adamw"),
     "pp1_dp4_backward_m2": job(1, 4, microbatches=2),
     # two ties between one stage pair, of equal sizes (silent before)
-    "pp2_dp2_two_ties_equal_sizes": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2),
+    "pp2_dp2_two_ties_equal_sizes_clip_shard_aligned": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2,
+                                                           mode="shard_aligned", clip=CLIP),
     # placement, both ways round (the second with the rank checks off and its graphs dumped)
     "pp2_dp2_placement_backward_no_tie": job(2, 2, variant="untied", placement="backward", microbatches=2),
     "pp2_dp2_placement_flush_no_rank_check_dumped": job(2, 2, placement="flush", microbatches=2, check_ranks=False,
                                                         dump_dir="/tmp/gradsched-matrix-dump"),
     # average=False: loss_fn is a sum, gradients are summed
-    "pp2_dp2_sum_all_reduce": job(2, 2, loss="sum", average=False, shard=False),
+    "pp2_dp2_sum_all_reduce_clip_m2": job(2, 2, loss="sum", average=False, shard=False, clip=CLIP, microbatches=2),
     # buckets: many small ones, padded (a vocab of 97; with clipping below), another reduce dtype
     "pp1_dp4_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64"),
     # context parallelism
@@ -60,8 +61,6 @@ CASES = {
     # clipping by the global norm (ties counted once, shards summed), and parameter groups; shard_aligned mode,
     # shard=False (plain data parallel)
     "pp2_dp2_clip_small_padded_buckets": job(2, 2, vocab=97, bucket_mb=0.004, clip=CLIP, microbatches=2),
-    "pp2_dp2_two_ties_clip_shard_aligned": job(2, 2, variant="hidden_tie", mode="shard_aligned", clip=CLIP),
-    "pp2_dp2_all_reduce_clip_m2": job(2, 2, shard=False, clip=CLIP, microbatches=2),
     "pp2_dp2_param_groups_adamw": job(2, 2, optimizer="adamw", param_groups="decay_matrices", steps=3),
     "pp1_dp4_param_groups_all_reduce_m2": job(1, 4, optimizer="adamw", param_groups="decay_matrices", steps=3,
                                               shard=False, microbatches=2),
