@@ -38,3 +38,44 @@ def test_inductor_does_not_rewrite_the_graph_the_verifier_reads(world_of_one):
     inputs = [torch.zeros(n.meta["val"].shape) for n in gm.graph.find_nodes(op="placeholder")]
     compile_graph(gm, inputs, "inductor")
     assert collectives(gm) == before
+
+
+def test_ranks_compiling_one_graph_take_turns_and_other_graphs_do_not_wait(tmp_path, monkeypatch):
+    """one_compile_per_host: a second compile of the same graph waits for the first (which then leaves its code in
+    Inductor's cache); a compile of another graph does not. Each thread opens the lock file itself, as a rank does."""
+    import threading
+    import torch.fx as fx
+    from gradsched.sync.compile import LOCKS_ENV, one_compile_per_host
+
+    def graph(op):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        g.output(g.call_function(op, (x,)))
+        return fx.GraphModule(torch.nn.Module(), g)
+    same, other, x = graph(torch.relu), graph(torch.sigmoid), [torch.zeros(2)]
+    monkeypatch.setenv(LOCKS_ENV, str(tmp_path))
+    events, first_in, release = [], threading.Event(), threading.Event()
+
+    def compile_(name, gm, hold):
+        with one_compile_per_host(gm, x):
+            events.append(f"{name} in")
+            if hold:
+                first_in.set()
+                release.wait(5)
+            events.append(f"{name} out")
+    first = threading.Thread(target=compile_, args=("first", same, True))
+    first.start()
+    assert first_in.wait(5)
+    second = threading.Thread(target=compile_, args=("second", graph(torch.relu), False))  # the same code
+    second.start()
+    compile_("another", other, False)  # not blocked by the first's turn
+    second.join(0.3)
+    assert second.is_alive()  # still waiting for the first's turn
+    release.set()
+    first.join(5)
+    second.join(5)
+    assert events == ["first in", "another in", "another out", "first out", "second in", "second out"]
+    monkeypatch.delenv(LOCKS_ENV)
+    with one_compile_per_host(same, x):  # without the variable (torchrun, a cluster): nothing is taken
+        pass
+    assert len(list(tmp_path.iterdir())) == 2  # one lock file per distinct graph
