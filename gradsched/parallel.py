@@ -295,18 +295,16 @@ class ParallelModel:
         computes one extra loss on its first step)."""
         if self._total is None:
             return self.loss_fn(out, target)
+        self._total = loss_weights.settled(self._total)
         return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index)
 
     def _step_loss(self, losses):
         """The step's loss over the global batch, issued (a function that waits for it: see
-        loss_weights.global_loss). Its micro-batches' losses are checked once here, not each on its own: the
-        check is non-finite exactly when one of them is (or, averaging, when the global batch has no labelled
-        token: its mean loss is NaN)."""
-        check = torch.stack([loss.detach() for loss in losses]).sum()
-        if self._total is not None:
-            check = check + torch.where(self._total > 0, 0.0, float("nan"))
-        self.grad_sync.nonfinite.observe(nonfinite.LOSS, check)
-        return loss_weights.global_loss(losses, self.plan, self.options.average, self._total)
+        loss_weights.global_loss). Its micro-batches' losses are checked once, through this rank's share of it
+        (non-finite exactly when one of them is, or, averaging, when the global batch has no labelled token)."""
+        share = loss_weights.step_share(losses, self.plan, self.options.average, self._total)
+        self.grad_sync.nonfinite.observe(nonfinite.LOSS, share)
+        return loss_weights.global_loss(share, self.plan)
 
     def named_parameters(self):
         """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,

@@ -37,6 +37,13 @@ def global_count(targets: torch.Tensor, plan: ParallelPlan, ignore_index: int) -
     return total
 
 
+def settled(total: torch.Tensor) -> torch.Tensor:
+    """`total` as a plain tensor, its all-reduce waited for (on the device's stream, not the host's, on a
+    GPU). Once per step: every op on the collective's asynchronous result runs through its Python subclass
+    (~0.1 ms of host time an op here)."""
+    return total.wait() if isinstance(total, funcol.AsyncCollectiveTensor) else total
+
+
 class _GradientUnless(torch.autograd.Function):
     """Identity forward; backward passes the gradient where `keep`, exact zeros elsewhere (a loss over no
     labelled element is 0/0, and so may its gradient be: NaN must not reach the model's gradients)."""
@@ -66,21 +73,25 @@ def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, igno
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
-def global_loss(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None):
-    """The step's loss over the global batch (mean over labelled tokens, or sum), from this rank's
-    micro-batch losses: the same on every rank of the last stage. `total` (with average): the global
-    batch's labelled tokens; none makes the loss NaN, as the mean over nothing is in one process.
-
-    Its all-reduce is issued here and not waited for (at pp = 1 the last micro-batch's backward runs
-    meanwhile): returns a function that gives the loss, waiting for it."""
+def step_share(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's share of the step's loss over the global batch (mean over labelled tokens, or sum), from
+    its micro-batch losses, in float64. `total` (with average): the global batch's labelled tokens; none makes
+    the share NaN, as the mean over nothing is in one process. So the share is non-finite exactly when one of
+    the losses is, or there is no mean: the step's one check of its losses."""
     loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
-    group_size = len(plan.group_ranks("grad"))
     if average:
-        loss = loss / group_size
+        loss = loss / len(plan.group_ranks("grad"))
     if total is not None:  # the global count, the same on every rank: a NaN here is a NaN in the sum
         loss = torch.where(total > 0, loss, torch.full_like(loss, float("nan")))
-    if group_size > 1:
+    return loss
+
+
+def global_loss(share: torch.Tensor, plan: ParallelPlan):
+    """The step's loss, the same on every rank of the last stage: the shares summed over the gradient group.
+    Its all-reduce is issued here and not waited for (at pp = 1 the last micro-batch's backward runs
+    meanwhile): returns a function that gives the loss, waiting for it."""
+    if len(plan.group_ranks("grad")) > 1:
         pg = plan.process_group("grad")
-        with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, loss.dtype):
-            loss = funcol.all_reduce(loss, "sum", pg)
-    return lambda: loss.float()
+        with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, share.dtype):
+            share = funcol.all_reduce(share, "sum", pg)
+    return lambda: settled(share).float()
