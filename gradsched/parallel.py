@@ -34,8 +34,7 @@ from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
-from gradsched.training.pipeline_schedule import (SCHEDULES, SPLIT_BACKWARD, Timeline, check_zero_bubble,
-                                                  pipeline_schedule)
+from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, Timeline, pipeline_schedule, resolve_schedule
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
@@ -47,21 +46,9 @@ class ParallelModel:
         if plan.pp > 1 and len(split_points) != plan.pp - 1:
             raise ValueError(f"pp={plan.pp} needs {plan.pp - 1} split_points (module names that begin a "
                              f"stage, e.g. ['blocks.1']), got {list(split_points)}.")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule={schedule!r}: gradsched runs {SCHEDULES} from torch.distributed.pipelining.")
         self.model, self.plan, self.loss_fn = model, plan, loss_fn
         self.options = SyncOptions.from_dict(options)
-        m = self.options.microbatches
-        if schedule == "auto":
-            schedule = "1f1b" if m >= plan.pp else "gpipe"
-        if schedule in ("1f1b", "zb1p") and m < plan.pp:
-            raise ValueError(f"schedule={schedule!r} needs microbatches >= pp ({m} < {plan.pp}): use "
-                             f"schedule='gpipe', or microbatches={plan.pp} or more.")
-        if schedule in SPLIT_BACKWARD:
-            if plan.pp == 1:
-                raise ValueError(f"schedule={schedule!r} is a pipeline schedule: pp=1 has no pipeline, and its "
-                                 "backward runs whole. Leave schedule out, or split the model (pp > 1).")
-            check_zero_bubble(schedule, plan.pp, m)
+        schedule = resolve_schedule(schedule, plan.pp, self.options.microbatches)
         check_split_points(model, split_points)
         if self.options.load_balance == "documents" and plan.cp > 1:
             check_takes_seq_idx(model)

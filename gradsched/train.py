@@ -42,6 +42,7 @@ from gradsched.launch import free_port, launch_command, leave
 from gradsched.plan import plan_sizes
 from gradsched.sync.watchdog import CollectiveFault
 from gradsched.sync.watchdog import stop as stop_watchdog
+from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule
 from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
@@ -131,6 +132,9 @@ def parse(argv=None):
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (dp is the rest of the world)")
     ap.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     ap.add_argument("--microbatches", type=int, default=1, help="per step, per data-parallel rank")
+    ap.add_argument("--schedule", default="auto", choices=SCHEDULES,
+                    help="the pipeline's schedule under --pp > 1 (auto: 1f1b, or gpipe with fewer micro-batches "
+                         "than stages; zb1p: zero bubble, the backward split into B and W)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
@@ -229,6 +233,11 @@ def check_alone(args, world: int) -> None:
     dp = plan_sizes(world, args.pp, args.cp)
     if args.batch % (dp * args.microbatches):
         raise Mistake(f"--batch {args.batch} must divide into dp={dp} x --microbatches {args.microbatches}.")
+    try:
+        resolve_schedule(args.schedule, args.pp, args.microbatches)
+    except ValueError as e:
+        raise Mistake(f"--schedule {args.schedule} with --pp {args.pp} and --microbatches {args.microbatches}: {e}") \
+            from None
     if args.cp > 1 and args.seq % (2 * args.cp):
         raise Mistake(f"--seq {args.seq} must divide into 2 x --cp {args.cp} = {2 * args.cp} equal chunks (each "
                       "context-parallel rank holds one from each end of a sequence): choose a --seq that is a "
@@ -285,7 +294,7 @@ def train(args) -> int:
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
                                   split_points=points,
-                                  microbatches=args.microbatches, compiler=args.compiler,
+                                  microbatches=args.microbatches, schedule=args.schedule, compiler=args.compiler,
                                   on_nonfinite=args.on_nonfinite,
                                   **({"reduce_dtype": torch.float32} if args.dtype == "bfloat16" else {}))
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
@@ -298,7 +307,8 @@ def train(args) -> int:
     per = args.batch // plan.dp
     if reporter:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
-              f"pp={plan.pp} dp={plan.dp} cp={plan.cp}, steps {start + 1}..{args.steps}", flush=True)
+              f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "
+              f"steps {start + 1}..{args.steps}", flush=True)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         x, y = (t.to(device) for t in data.batch(step, args.batch))

@@ -18,15 +18,16 @@ from tied_training import Job, checkpoint_contents, max_state_diff
 from tiny_gpt import GPTConfig
 
 
-def job(pp, dp, **options):
-    return Job(pp=pp, dp=dp, optimizer="adamw", config=GPTConfig(vocab=97), param_groups="decay_matrices",
-               options={"compiler": "eager", "microbatches": 2, **options})
+def job(pp, dp, schedule="auto", **options):
+    return Job(pp=pp, dp=dp, schedule=schedule, optimizer="adamw", config=GPTConfig(vocab=97),
+               param_groups="decay_matrices", options={"compiler": "eager", "microbatches": 2, **options})
 
 
 RESUMED_AT = {  # name -> (the second half's layout, tolerance)
     "same_layout": (job(2, 2), 1e-6),
     "pp1_dp4": (job(1, 4), 1e-5),  # other reduction groups: fp32 sums in another order
-    "other_bucket_mb": (job(2, 2, bucket_mb=0.004), 1e-6),
+    # and under the zero-bubble schedule (the first half's 1F1B): B and W graphs, the same sums
+    "zb1p_other_bucket_mb": (job(2, 2, "zb1p", bucket_mb=0.004), 1e-6),
     # parameters as shards (shard="params"): loaded into the shards, saved gathered whole
     "params_sharded": (job(2, 2, shard="params"), 1e-6),
     "params_sharded_pp1_dp4": (job(1, 4, shard="params"), 1e-5),
@@ -38,8 +39,8 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     plan = [(job(2, 2), str(d / "uninterrupted"), None, 4), (job(2, 2), str(d / "first_half"), None, 2)]
     plan += [(layout, str(d / name), str(d / "first_half"), 4) for name, (layout, _) in RESUMED_AT.items()]
-    # and back: a first half with sharded parameters, resumed with shard=True
-    plan += [(job(2, 2, shard="params"), str(d / "params_first_half"), None, 2),
+    # and back: a first half with sharded parameters under zero bubble, resumed with shard=True under 1F1B
+    plan += [(job(2, 2, "zb1p", shard="params"), str(d / "params_first_half"), None, 2),
              (job(2, 2), str(d / "back_from_params"), str(d / "params_first_half"), 4)]
     per_rank = run_ranks(resume_runs, 4, plan, timeout_s=600)
     return d, [r["start"] for r in per_rank[0]]
@@ -54,7 +55,7 @@ def test_a_run_resumed_at_any_layout_continues_as_if_never_stopped(name, runs):
     assert max_state_diff(checkpoint_contents(str(d / "uninterrupted")), resumed) <= RESUMED_AT[name][1]
 
 
-def test_a_run_with_sharded_parameters_saves_what_shard_true_resumes_as_if_never_stopped(runs):
+def test_sharded_parameters_saved_under_zero_bubble_resume_with_shard_true_under_1f1b_as_if_never_stopped(runs):
     d, starts = runs
     assert starts[-1] == 2
     assert max_state_diff(checkpoint_contents(str(d / "uninterrupted")), checkpoint_contents(str(d / "back_from_params"))) \

@@ -111,11 +111,28 @@ class _CompiledStage(nn.Module):
         return self.compiled(*args, **kwargs)
 
 
+def resolve_schedule(schedule: str, pp: int, m: int) -> str:
+    """The schedule that runs ("auto": 1F1B with micro-batches >= pp, else GPipe), or ValueError saying what
+    to change; found from the sizes alone, before any collective (gradsched.train checks it before connecting)."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: gradsched runs {SCHEDULES} from torch.distributed.pipelining.")
+    if schedule == "auto":
+        return "1f1b" if m >= pp else "gpipe"
+    if schedule in ("1f1b", "zb1p") and m < pp:
+        raise ValueError(f"the {schedule} schedule needs at least as many micro-batches as pipeline stages ({m} < "
+                         f"pp {pp}): use the gpipe schedule, or {pp} micro-batches or more.")
+    if schedule in SPLIT_BACKWARD:
+        if pp == 1:
+            raise ValueError(f"{schedule} is a pipeline schedule: with pp 1 there is no pipeline, and the backward "
+                             "runs whole. Leave the schedule out, or split the model (pp > 1).")
+        check_zero_bubble(schedule, pp, m)
+    return schedule
+
+
 def check_zero_bubble(schedule: str, pp: int, m: int) -> None:
     """torch's ZB-H1 runs micro-batches in rounds of at least pp (ScheduleInterleavedZeroBubble): refused
     here, before any collective, rather than by its constructor at the first step."""
     rounds = max(1, m // pp)
     if m % rounds:
-        raise ValueError(f"schedule={schedule!r} with pp={pp} runs micro-batches in {rounds} rounds of equal size: "
-                         f"microbatches={m} does not divide into them. Use a multiple of {pp} (e.g. "
-                         f"{rounds * pp}).")
+        raise ValueError(f"the {schedule} schedule with pp {pp} runs micro-batches in {rounds} rounds of equal size: "
+                         f"{m} micro-batches do not divide into them. Use a multiple of {pp} (e.g. {rounds * pp}).")
