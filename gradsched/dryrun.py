@@ -47,6 +47,7 @@ from gradsched.sizing.accounting import account, by_group, held_bytes, verdict
 from gradsched.sizing.device_attention import DEVICES, priced_as
 from gradsched.sizing.report import describe, parse_bytes, size
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
+from gradsched.training.pipeline_schedule import SCHEDULES, SPLIT_BACKWARD, resolve_schedule, schedule_order
 
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
 
@@ -98,20 +99,6 @@ def from_module(spec: str, dtype: torch.dtype):
 
 def even_split_points(layers: int, pp: int, prefix: str = "model.model.layers") -> list[str]:
     return [f"{prefix}.{layers * k // pp}" for k in range(1, pp)]
-
-
-def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str, int]]:
-    """The stage's forwards ("F", i) and backwards ("B", i) in the order torch's schedule runs them: GPipe
-    all forwards first; 1F1B min(m, pp - stage) forwards, then one backward and one forward in turn."""
-    if schedule == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    warm = min(m, pp - stage)
-    order = [("F", i) for i in range(warm)]
-    for i in range(m):
-        order.append(("B", i))
-        if i + warm < m:
-            order.append(("F", i + warm))
-    return order
 
 
 def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, split_points=(),
@@ -225,9 +212,14 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
     """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
     (shape, dtype, device, requires_grad), what `live` counted after the first forward, and each backward's
     peak above that many bytes per micro-batch in flight at its start (see Role.accumulating)."""
-    outs, pending, saved, above = [None] * m, {}, None, []
-    last = stage == pp - 1
+    outs, pending, saved, above, weights = [None] * m, {}, None, [], {}
+    last, split = stage == pp - 1, pm.schedule_name in SPLIT_BACKWARD
+    if pp > 1:
+        pm.grad_sync.begin_step()
     for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
+        if kind == "W":  # the weights' gradients of micro-batch i, queued by its B (its stash held until now)
+            weights.pop(i)()
+            continue
         if kind == "F":
             out = pm.module(*inputs[i])
             leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -244,6 +236,8 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
             else:
                 grads = [t for t in pending.pop(i) if t.requires_grad]
                 torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
+        if split:
+            weights[i] = pm.grad_sync.take_w()
         above.append(live.peak - in_flight * saved)
         live.peak = max(peak, live.peak)
     pm.grad_sync.flush()
@@ -271,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=None, help="sequences per data-parallel rank per step "
                     "(default: one per micro-batch)")
     ap.add_argument("--microbatches", type=int, default=None, help="default: pp (the least 1F1B runs)")
+    ap.add_argument("--schedule", default="auto", choices=SCHEDULES, help="the pipeline's schedule (pp > 1): what "
+                    "each stage holds depends on the order of its forwards and backwards (zb1p: B and W apart)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding (across stages)")
     ap.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
@@ -309,16 +305,21 @@ def main(argv=None) -> int:
     if args.pp > 1 and len(split_points or ()) != args.pp - 1:
         raise SystemExit(f"--pp {args.pp} needs {args.pp - 1} split point(s): give --split-points (module names).")
     shard = {"params": "params", "true": True, "false": False}[args.shard]
+    try:
+        schedule = resolve_schedule(args.schedule, args.pp, m)
+    except ValueError as e:
+        raise SystemExit(f"--schedule {args.schedule} with --pp {args.pp} and {m} micro-batches: {e}") from None
     print(f"dry run: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
-          f"shard={shard!r}, {m} micro-batches of {(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
+          f"shard={shard!r}, {f'{schedule} schedule, ' if args.pp > 1 else ''}{m} micro-batches of "
+          f"{(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
           + (f"; each peak includes the {size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's "
              "workspaces)" if args.device == "cuda" else ""), flush=True)
     t0 = time.perf_counter()
     backend = "nccl" if args.device == "cuda" else "gloo"
     roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, batch=args.batch or m, seq=args.seq,
                     split_points=split_points or (), shard=shard, device=args.device, backend=backend,
-                    microbatches=m, bucket_mb=args.bucket_mb,
+                    microbatches=m, schedule=schedule, bucket_mb=args.bucket_mb,
                     progress=lambda s: print(s, flush=True))
     for r in roles:
         print(describe(r))
@@ -333,7 +334,7 @@ def main(argv=None) -> int:
             for r in roles:
                 f.write(json.dumps({"bench": "dryrun", "model": name, "pp": args.pp, "dp": args.dp,
                                     "cp": args.cp, "shard": args.shard, "seq": args.seq, "microbatches": m,
-                                    "dtype": args.dtype, **dataclasses.asdict(r)}) + "\n")
+                                    "schedule": schedule, "dtype": args.dtype, **dataclasses.asdict(r)}) + "\n")
     return 0
 
 

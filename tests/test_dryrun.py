@@ -143,6 +143,12 @@ def test_the_schedule_runs_each_stages_micro_batches_in_1f1b_order():
     assert schedule_order(0, 2, 4, "1f1b") == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3),
                                                ("B", 2), ("B", 3)]
     assert schedule_order(1, 2, 3, "gpipe") == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    # zero bubble (ZB-H1): 1F1B's order of forwards and input backwards (B), each weight backward (W) put off to
+    # where 1F1B's stage would wait: at the last stage one B later, the last two at the end
+    assert schedule_order(1, 2, 4, "zb1p") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("F", 2), ("B", 2),
+                                               ("W", 1), ("F", 3), ("B", 3), ("W", 2), ("W", 3)]
+    assert schedule_order(0, 2, 4, "zb1p") == [("F", 0), ("F", 1), ("B", 0), ("W", 0), ("F", 2), ("B", 1), ("W", 1),
+                                               ("F", 3), ("B", 2), ("W", 2), ("B", 3), ("W", 3)]
 
 
 def test_a_batch_that_does_not_split_into_the_micro_batches_is_refused():
@@ -171,13 +177,15 @@ def test_attention_on_meta_is_priced_as_the_devices_kernel_linear_in_the_sequenc
     assert short < 8 * 2048 * 2048 * dtype.itemsize  # less than one head-batch of scores
 
 
-def test_the_command_line_prints_every_stage_of_a_tied_llama_plan():
+def test_the_command_line_prints_every_stage_of_a_tied_llama_plan_under_zero_bubble():
+    """Its stages' B and W graphs run in torch's ZB-H1 order (schedule_order), the tie proven in the flush."""
     pytest.importorskip("transformers")
     run = subprocess.run([sys.executable, "-m", "gradsched.dryrun", "--model", "llama-tiny", "--pp", "2", "--dp", "2",
-                          "--cp", "2", "--seq", "64", "--tie"], capture_output=True, text=True, timeout=300)
+                          "--cp", "2", "--seq", "64", "--tie", "--schedule", "zb1p"], capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
-    assert "pp=2 x dp=2 x cp=2 = 8 ranks" in out
+    assert "pp=2 x dp=2 x cp=2 = 8 ranks, shard='params', zb1p schedule" in out
     assert "stage 0 (ranks 0-3)" in out and "stage 1 (ranks 4-7)" in out
     assert out.count("flush graph: ok, 1 tie(s) proven") == 2
     assert "all_gather_into_tensor over grad" in out and "over cp" in out

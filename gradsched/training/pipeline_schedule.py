@@ -129,6 +129,36 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
     return schedule
 
 
+def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str, int]]:
+    """The stage's forwards ("F", i) and backwards ("B", i) in the order torch's schedule runs them: GPipe
+    all forwards first; 1F1B min(m, pp - stage) forwards, then one backward and one forward in turn; zero bubble
+    (ZB-H1) torch's own order, its backwards split into ("B", i), the inputs' gradients, and ("W", i), the weights'."""
+    if schedule in SPLIT_BACKWARD:
+        return _zero_bubble_order(stage, pp, m)
+    if schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warm = min(m, pp - stage)
+    order = [("F", i) for i in range(warm)]
+    for i in range(m):
+        order.append(("B", i))
+        if i + warm < m:
+            order.append(("F", i + warm))
+    return order
+
+
+def _zero_bubble_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
+    """ScheduleInterleavedZeroBubble's action list for this stage (one stage a rank), as torch computes it for
+    every rank: only its order, so no stage or process group is built (its private arithmetic, read as is)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, _ComputationType as C
+    order = object.__new__(ScheduleInterleavedZeroBubble)
+    order.pp_group_size, order.n_local_stages, order._n_microbatches = pp, 1, m
+    order.number_of_rounds = max(1, m // pp)
+    order.microbatches_per_round = m // order.number_of_rounds
+    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.FULL_BACKWARD: "B", C.BACKWARD_WEIGHT: "W"}
+    return [(kinds[a.computation_type], a.microbatch_index)
+            for a in order._calculate_single_rank_operations(stage) if a is not None]
+
+
 def check_zero_bubble(schedule: str, pp: int, m: int) -> None:
     """torch's ZB-H1 runs micro-batches in rounds of at least pp (ScheduleInterleavedZeroBubble): refused
     here, before any collective, rather than by its constructor at the first step."""
