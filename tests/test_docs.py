@@ -244,5 +244,11 @@ def test_the_tested_combinations_table_lists_the_option_matrix_rows():
     import test_option_matrix as matrix
     text = (ROOT / "docs" / "parallelism.md").read_text()
     table = text[text.index("## Tested combinations"):].split("| case |")[1].split("\n\n")[0]
-    named = [row.split("|")[1].strip() for row in table.splitlines()[2:] if row.startswith("|")]
-    assert named == [*matrix.CASES, *matrix.INDUCTOR]
+    rows = [[c.strip() for c in row.split("|")[1:4]] for row in table.splitlines()[2:] if row.startswith("|")]
+    assert [r[0] for r in rows] == [*matrix.CASES, *matrix.INDUCTOR]
+    from gradsched.training.pipeline_schedule import resolve_schedule
+    names = {"gpipe": "GPipe", "1f1b": "1F1B", "zb1p": "ZB-H1 (`zb1p`)"}
+    for (name, layout, schedule), job in zip(rows, [*matrix.CASES.values(), *matrix.INDUCTOR.values()]):
+        m = job.options.get("microbatches", 1)
+        ran = names[resolve_schedule(job.schedule, job.pp, m)] if job.pp > 1 else "-"
+        assert (layout, schedule) == (f"{job.pp} x {job.dp} x {job.cp}", f"{ran}, {m}"), name

@@ -38,9 +38,9 @@ CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the c
 
 CASES = {
     # layouts: GPipe and 1F1B, micro-batches, pp=1 in the backward graph
-    "pp2_dp2_gpipe_m2": job(2, 2, microbatches=2),
-    "pp2_dp2_1f1b_m4_adamw": job(2, 2, microbatches=4, optimizer="adamw"),
-    "pp1_dp4_backward_m2": job(1, 4, microbatches=2),
+    "pp2_dp2_gpipe_m2": job(2, 2, schedule="gpipe", microbatches=2),
+    "pp2_dp2_1f1b_m4_adamw_param_groups": job(2, 2, microbatches=4, optimizer="adamw", param_groups="decay_matrices",
+                                              steps=3),
     # two ties between one stage pair, of equal sizes (silent before)
     "pp2_dp2_two_ties_equal_sizes_clip_shard_aligned": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2,
                                                            mode="shard_aligned", clip=CLIP),
@@ -50,10 +50,12 @@ CASES = {
                                                         dump_dir="/tmp/gradsched-matrix-dump"),
     # average=False: loss_fn is a sum, gradients are summed
     "pp2_dp2_sum_all_reduce_clip_m2": job(2, 2, loss="sum", average=False, shard=False, clip=CLIP, microbatches=2),
-    # buckets: many small ones, padded (a vocab of 97; with clipping below), another reduce dtype
-    "pp1_dp4_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64"),
+    # buckets: many small ones, padded (a vocab of 97; with clipping below), another reduce dtype; pp=1 reduces
+    # them in the backward graph
+    "pp1_dp4_backward_m2_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64",
+                                                         microbatches=2),
     # context parallelism
-    "pp2_cp2_m2": job(2, 1, 2, microbatches=2),
+    "pp2_cp2_zb1p_m2": job(2, 1, 2, schedule="zb1p", microbatches=2),  # the ring's backward as B and W
     "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
     "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
@@ -61,7 +63,6 @@ CASES = {
     # clipping by the global norm (ties counted once, shards summed), and parameter groups; shard_aligned mode,
     # shard=False (plain data parallel)
     "pp2_dp2_clip_small_padded_buckets": job(2, 2, vocab=97, bucket_mb=0.004, clip=CLIP, microbatches=2),
-    "pp2_dp2_param_groups_adamw": job(2, 2, optimizer="adamw", param_groups="decay_matrices", steps=3),
     "pp1_dp4_param_groups_all_reduce_m2": job(1, 4, optimizer="adamw", param_groups="decay_matrices", steps=3,
                                               shard=False, microbatches=2),
     # zero bubble (ZB-H1): each backward as B now and W later; the tie and the reductions after the last W
