@@ -6,7 +6,6 @@ world: the same graphs on real tensors, collectives that move nothing) trains th
 per collective against the bucket layout's arithmetic; its verdict against a layout the verifier must
 reject."""
 import json
-import subprocess
 import sys
 from pathlib import Path
 
