@@ -123,9 +123,14 @@ def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
     flags.observe(nonfinite.LOSS, torch.tensor(1.0))
     with flags.paused():  # pipelining's shape inference on empty tensors
         flags.observe(nonfinite.FORWARD, torch.tensor([float("nan")]))
-    assert flags.flags.tolist() == [0, 0, 0, 0]
+    assert flags.bad("cpu").tolist() == [0, 0, 0, 0]
     flags.observe(nonfinite.BACKWARD, (torch.ones(3), torch.tensor([1.0, float("inf")])))
-    assert flags.flags.tolist() == [0, 0, 1, 0]
+    assert flags.bad("cpu").tolist() == [0, 0, 1, 0]
+    # the largest finite values, in their own dtypes, many of them: still finite (summed in float64)
+    flags.observe(nonfinite.FORWARD, (torch.full((1000,), torch.finfo(torch.float32).max),
+                                      torch.full((1000,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)))
+    flags.observe(nonfinite.LOSS, torch.tensor([float("inf"), float("-inf")]))  # their sum is NaN: non-finite
+    assert flags.bad("cpu").tolist() == [0, 1, 1, 0]
 
 
 def test_boundaries_name_the_sender_of_the_first_disagreeing_boundary():

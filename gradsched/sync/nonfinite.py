@@ -38,7 +38,7 @@ class StepFlags:
     """This rank's observations during one step, on the device (no host read)."""
 
     def __init__(self):
-        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64: > 0 where that kind went non-finite
+        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64 sums: non-finite where that kind went so
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0
@@ -60,9 +60,15 @@ class StepFlags:
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
         if not ts:
             return
-        finite = [torch.isfinite(t.detach()).all() for t in ts]
-        ok = finite[0] if len(finite) == 1 else torch.stack(finite).all()
-        self._flags(ts[0].device)[kind - 1].add_(~ok)  # > 0: went non-finite (a count, never read here)
+        # A float64 sum is non-finite exactly when an element is: finite float32/bf16 values cannot overflow it
+        # (3.4e38 x any element count stays below 1.8e308). Two ops a tensor where a test of each element and
+        # its reduction took four; the sums accumulate, tested once a step (bad), never read here.
+        sums = [t.detach().sum(dtype=torch.float64) for t in ts]
+        self._flags(ts[0].device)[kind - 1].add_(sums[0] if len(sums) == 1 else torch.stack(sums).sum())
+
+    def bad(self, device) -> torch.Tensor:
+        """[SLOTS - 1] float64: 1 where that kind went non-finite this step, else 0."""
+        return (~torch.isfinite(self._flags(device))).to(torch.float64)
 
     def _flags(self, device) -> torch.Tensor:
         if self.flags is None:
@@ -79,8 +85,7 @@ def local_vector(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
     setup, flags = sync.setup, sync.nonfinite
     if grads_bad is None:
         grads_bad = reduced_gradients_bad(sync, device)
-    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device),
-                     flags._flags(device)])
+    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), flags.bad(device)])
     row[GRADS] = torch.maximum(row[GRADS], grads_bad.to(torch.float64))
     out = torch.zeros(len(setup.all_ranks.ranks), SLOTS, dtype=torch.float64, device=device)
     out[setup.all_ranks.index] = row
