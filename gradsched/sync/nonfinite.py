@@ -60,10 +60,12 @@ class StepFlags:
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
         if not ts:
             return
-        # A float64 sum is non-finite exactly when an element is: finite float32/bf16 values cannot overflow it
-        # (3.4e38 x any element count stays below 1.8e308). Two ops a tensor where a test of each element and
-        # its reduction took four; the sums accumulate, tested once a step (bad), never read here.
-        sums = [t.detach().sum(dtype=torch.float64) for t in ts]
+        # A float64 sum is non-finite exactly when an element is: finite float32/bf16/fp16 values cannot overflow
+        # it (3.4e38 x any element count stays below 1.8e308). Two ops a tensor where a test of each element and
+        # its reduction took four; the sums accumulate, tested once a step (bad), never read here. float64
+        # tensors could overflow it: tested element by element.
+        sums = [t.detach().sum(dtype=torch.float64) if t.dtype != torch.float64 else
+                torch.where(torch.isfinite(t.detach()).all(), 0.0, float("nan")) for t in ts]
         self._flags(ts[0].device)[kind - 1].add_(sums[0] if len(sums) == 1 else torch.stack(sums).sum())
 
     def bad(self, device) -> torch.Tensor:
