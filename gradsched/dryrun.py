@@ -67,7 +67,8 @@ class Role:
     saved: int = 0  # what they held after the first micro-batch's forward (its saved activations, its output)
     # a backward's peak above the saved activations of the micro-batches in flight at its start (saved each):
     accumulating: int = 0  # the most of any but the last (m > 1: the gradients accumulated so far, and the new)
-    final_backward: int = 0  # the last's (its reductions; with m > 1 fed the accumulated gradients)
+    final_backward: int = 0  # the last's (its reductions; with m > 1 fed the accumulated gradients; under zb1p
+    #                          the last B's: its reductions run in the last W, counted in the transient only)
     collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
     p2p: dict = field(default_factory=dict)  # "activations received" / "their gradients sent back" -> bytes per step
     buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
@@ -285,6 +286,9 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
     args = ap.parse_args(argv)
     if args.fit:
+        if args.schedule != "auto":
+            raise SystemExit(f"--fit with --schedule {args.schedule}: the fit prices 1F1B only (its probes run whole "
+                             "backwards); dry-run a zero-bubble plan on its own (--schedule zb1p, without --fit).")
         return _fit(args)
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
@@ -334,7 +338,8 @@ def main(argv=None) -> int:
             for r in roles:
                 f.write(json.dumps({"bench": "dryrun", "model": name, "pp": args.pp, "dp": args.dp,
                                     "cp": args.cp, "shard": args.shard, "seq": args.seq, "microbatches": m,
-                                    "schedule": schedule, "dtype": args.dtype, **dataclasses.asdict(r)}) + "\n")
+                                    "schedule": schedule if args.pp > 1 else None, "dtype": args.dtype,
+                                    **dataclasses.asdict(r)}) + "\n")
     return 0
 
 

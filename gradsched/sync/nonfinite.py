@@ -38,7 +38,7 @@ class StepFlags:
     """This rank's observations during one step, on the device (no host read)."""
 
     def __init__(self):
-        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64 sums: non-finite where that kind went so
+        self.flags: torch.Tensor | None = None  # [SLOTS - 1] float64 maxima: non-finite where that kind went so
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0
@@ -60,13 +60,12 @@ class StepFlags:
               if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
         if not ts:
             return
-        # A float64 sum is non-finite exactly when an element is: finite float32/bf16/fp16 values cannot overflow
-        # it (3.4e38 x any element count stays below 1.8e308). Two ops a tensor where a test of each element and
-        # its reduction took four; the sums accumulate, tested once a step (bad), never read here. float64
-        # tensors could overflow it: tested element by element.
-        sums = [t.detach().sum(dtype=torch.float64) if t.dtype != torch.float64 else
-                torch.where(torch.isfinite(t.detach()).all(), 0.0, float("nan")) for t in ts]
-        self._flags(ts[0].device)[kind - 1].add_(sums[0] if len(sums) == 1 else torch.stack(sums).sum())
+        # the largest magnitude seen, per kind: non-finite exactly when some element was (NaN propagates through
+        # max, and a max cannot overflow); one fused reduction a tensor, no temporary copy, and one max into the
+        # step's slot: tested once a step (bad), never read here
+        slot = self._flags(ts[0].device)[kind - 1:kind]
+        for t in ts:
+            torch.maximum(slot, torch.linalg.vector_norm(t.detach(), float("inf")), out=slot)
 
     def bad(self, device) -> torch.Tensor:
         """[SLOTS - 1] float64: 1 where that kind went non-finite this step, else 0."""

@@ -112,10 +112,13 @@ class _CompiledStage(nn.Module):
 
 
 def resolve_schedule(schedule: str, pp: int, m: int) -> str:
-    """The schedule that runs ("auto": 1F1B with micro-batches >= pp, else GPipe), or ValueError saying what
-    to change; found from the sizes alone, before any collective (gradsched.train checks it before connecting)."""
+    """The schedule that runs ("auto": 1F1B with micro-batches >= pp, else GPipe; at pp 1 each micro-batch's
+    forward then its backward, as 1F1B orders one stage), or ValueError saying what to change; found from the
+    sizes alone, before any collective (gradsched.train checks it before connecting)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: gradsched runs {SCHEDULES} from torch.distributed.pipelining.")
+    if pp == 1 and schedule not in SPLIT_BACKWARD:  # no pipeline: each micro-batch's forward, then its backward
+        return "1f1b"
     if schedule == "auto":
         return "1f1b" if m >= pp else "gpipe"
     if schedule in ("1f1b", "zb1p") and m < pp:
