@@ -146,6 +146,11 @@ def test_the_schedule_runs_each_stages_micro_batches_in_1f1b_order():
     # where 1F1B's stage would wait: at the last stage one B later, the last two at the end
     assert schedule_order(1, 2, 4, "zb1p") == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("W", 0), ("F", 2), ("B", 2),
                                                ("W", 1), ("F", 3), ("B", 3), ("W", 2), ("W", 3)]
+    # pp 1 has no pipeline: whatever is asked but zero bubble, each micro-batch's forward then its backward
+    from gradsched.training.pipeline_schedule import resolve_schedule
+    for asked in ("auto", "gpipe", "1f1b"):
+        assert schedule_order(0, 1, 3, resolve_schedule(asked, 1, 3)) == [("F", 0), ("B", 0), ("F", 1), ("B", 1),
+                                                                        ("F", 2), ("B", 2)]
     assert schedule_order(0, 2, 4, "zb1p") == [("F", 0), ("F", 1), ("B", 0), ("W", 0), ("F", 2), ("B", 1), ("W", 1),
                                                ("F", 3), ("B", 2), ("W", 2), ("B", 3), ("W", 3)]
 
@@ -301,10 +306,12 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert {c.pp for c in cands} == {1, 2, 4} and {c.cp for c in cands} == {1, 2, 4, 8}
 
 
-def test_fit_refuses_a_module_factory_in_one_line():
+def test_fit_refuses_a_module_factory_and_a_schedule_it_does_not_price_in_one_line():
     from gradsched.dryrun import main
     with pytest.raises(SystemExit, match="--fit: give --gpus"):
         main(["--module", "dryrun_factory:tiny_gpt", "--fit", "80GiB", "--gpus", "8"])
+    with pytest.raises(SystemExit, match="--fit with --schedule zb1p: the fit prices 1F1B only"):
+        main(["--model", "llama-tiny", "--fit", "80GiB", "--gpus", "8", "--schedule", "zb1p"])
 
 
 def test_a_checkpointed_model_is_dry_run_and_holds_less_than_without():

@@ -128,7 +128,11 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
         if pp == 1:
             raise ValueError(f"{schedule} is a pipeline schedule: with pp 1 there is no pipeline, and the backward "
                              "runs whole. Leave the schedule out, or split the model (pp > 1).")
-        check_zero_bubble(schedule, pp, m)
+        rounds = max(1, m // pp)  # torch's ZB-H1 runs micro-batches in rounds of at least pp
+        if m % rounds:
+            raise ValueError(f"the {schedule} schedule with pp {pp} runs micro-batches in {rounds} rounds of equal "
+                             f"size: {m} micro-batches do not divide into them. Use a multiple of {pp} (e.g. "
+                             f"{rounds * pp}).")
     return schedule
 
 
@@ -160,12 +164,3 @@ def _zero_bubble_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
     kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.FULL_BACKWARD: "B", C.BACKWARD_WEIGHT: "W"}
     return [(kinds[a.computation_type], a.microbatch_index)
             for a in order._calculate_single_rank_operations(stage) if a is not None]
-
-
-def check_zero_bubble(schedule: str, pp: int, m: int) -> None:
-    """torch's ZB-H1 runs micro-batches in rounds of at least pp (ScheduleInterleavedZeroBubble): refused
-    here, before any collective, rather than by its constructor at the first step."""
-    rounds = max(1, m // pp)
-    if m % rounds:
-        raise ValueError(f"the {schedule} schedule with pp {pp} runs micro-batches in {rounds} rounds of equal size: "
-                         f"{m} micro-batches do not divide into them. Use a multiple of {pp} (e.g. {rounds * pp}).")
