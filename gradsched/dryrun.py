@@ -69,6 +69,7 @@ class Role:
     accumulating: int = 0  # the most of any but the last (m > 1: the gradients accumulated so far, and the new)
     final_backward: int = 0  # the last's (its reductions; with m > 1 fed the accumulated gradients; under zb1p
     #                          the last B's: its reductions run in the last W, counted in the transient only)
+    stash: int = 0  # under zb1p, the most a B left alive for its W (what it added, plus the saved it consumed)
     collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
     p2p: dict = field(default_factory=dict)  # "activations received" / "their gradients sent back" -> bytes per step
     buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
@@ -155,7 +156,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             for step in range(STEPS):
                 held = held_bytes(pm, opt)
                 with LiveBytes(backend) as live:
-                    outs, saved, above = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
+                    outs, saved, above, stash = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
                     if step == STEPS - 1:
                         account(role, pm, opt)
                     opt.step()
@@ -166,7 +167,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
                 grads_in = m * sum(_nbytes(*t) for t in outs[0] if t[3]) if stage < pp - 1 else 0
                 role.peak = held + live.peak + received + grads_in + RUNTIME[backend]
                 role.held, role.transient, role.saved = held, live.peak, saved
-                role.accumulating, role.final_backward = max(above[:-1], default=0), above[-1]
+                role.accumulating, role.final_backward, role.stash = max(above[:-1], default=0), above[-1], stash
             role.collectives = by_group(live.collectives, plan, pm)
             sent.append([[_like(*t) for t in o] for o in outs])  # what later stages receive
             if stage > 0:
@@ -212,8 +213,9 @@ def _nbytes(shape, dtype, device, requires_grad) -> int:
 def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
     """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
     (shape, dtype, device, requires_grad), what `live` counted after the first forward, and each backward's
-    peak above that many bytes per micro-batch in flight at its start (see Role.accumulating)."""
-    outs, pending, saved, above, weights = [None] * m, {}, None, [], {}
+    peak above that many bytes per micro-batch in flight at its start (see Role.accumulating), and the most a B
+    left alive for its W (Role.stash)."""
+    outs, pending, saved, above, weights, stash = [None] * m, {}, None, [], {}, 0
     last, split = stage == pp - 1, pm.schedule_name in SPLIT_BACKWARD
     if pp > 1:
         pm.grad_sync.begin_step()
@@ -230,7 +232,7 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
             del out, leaves
             saved = live.now if saved is None else saved
             continue
-        peak, in_flight, live.peak = live.peak, len(pending), live.now  # this backward's own peak, then the step's
+        peak, in_flight, live.peak, before = live.peak, len(pending), live.now, live.now  # its own peak, then the step's
         with pm.grad_sync.step_boundary(last=i == m - 1):
             if last:
                 pending.pop(i).backward()
@@ -239,10 +241,11 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
                 torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
         if split:
             weights[i] = pm.grad_sync.take_w()
+            stash = max(stash, live.now - before + saved)
         above.append(live.peak - in_flight * saved)
         live.peak = max(peak, live.peak)
     pm.grad_sync.flush()
-    return outs, saved, above
+    return outs, saved, above, stash
 
 
 def main(argv=None) -> int:
@@ -286,10 +289,11 @@ def main(argv=None) -> int:
     ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
     args = ap.parse_args(argv)
     if args.fit:
-        if args.schedule != "auto":
-            raise SystemExit(f"--fit with --schedule {args.schedule}: the fit prices 1F1B only (its probes run whole "
-                             "backwards); dry-run a zero-bubble plan on its own (--schedule zb1p, without --fit).")
-        return _fit(args)
+        from gradsched.sizing.fit_run import fit_main
+        dtype = getattr(torch, args.dtype)
+        build = lambda layers, ckpt: (from_config(args.config, dtype, args.tie, ckpt, layers) if args.config  # noqa
+                                      else llama(args.model, dtype, args.tie, ckpt, layers))
+        return fit_main(args, probe, build)
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
     name, split_points = args.module or args.config or args.model, None
@@ -346,50 +350,17 @@ def main(argv=None) -> int:
 def probe(build, seq: int, device: str, backend: str, **options):
     """gradsched.sizing.fit's measure: build(layers, checkpointing) -> (model on meta, layers); each call dry-runs
     two stages of `layers` each (micro-batches of `seqs` sequences, one unless said), and returns for both stages
-    (saved, the rest of the transient, accumulating, final_backward): what the first forward left alive, the most
-    the step held above that, and the backwards' peaks above their micro-batches in flight (Role)."""
-    def measure(layers, seqs, cp, checkpointing, shard, microbatches=1):
+    (saved, the rest of the transient, accumulating, final_backward, stash): what the first forward left alive, the
+    most the step held above that, the backwards' peaks above their micro-batches in flight, and under zb1p what
+    a B kept for its W (Role)."""
+    def measure(layers, seqs, cp, checkpointing, shard, microbatches=1, schedule="auto"):
         roles = dry_run(build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp, batch=seqs * microbatches,
                         seq=seq, split_points=even_split_points(2 * layers, 2), shard=shard, device=device,
-                        backend=backend, microbatches=microbatches, progress=lambda s: None, **options)
-        return [(r.saved, r.transient - r.saved, r.accumulating, r.final_backward) for r in (roles[0], roles[-1])]
+                        backend=backend, microbatches=microbatches, schedule=schedule, progress=lambda s: None,
+                        **options)
+        return [(r.saved, r.transient - r.saved, r.accumulating, r.final_backward, r.stash)
+                for r in (roles[0], roles[-1])]
     return measure
-
-
-def _fit(args) -> int:
-    from gradsched.sizing import fit
-    if args.module or not args.gpus:
-        raise SystemExit("--fit: give --gpus, and a model by --model or --config (its layers are cut to measure "
-                         "a few; a --module cannot be)")
-    dtype, t0 = getattr(torch, args.dtype), time.perf_counter()
-    build = lambda layers, ckpt: (from_config(args.config, dtype, args.tie, ckpt, layers) if args.config  # noqa
-                                  else llama(args.model, dtype, args.tie, ckpt, layers))
-    model, layers = build(None, False)
-    shape, batch = fit.model_shape(model, dtype.itemsize), args.global_batch or args.gpus
-    backend = "nccl" if args.device == "cuda" else "gloo"
-    measure = probe(build, args.seq, args.device, backend, bucket_mb=args.bucket_mb)
-    cands = fit.candidates(args.gpus, layers, args.seq, batch, checkpointing=(False, True))
-    print(f"fit: {len(cands)} layouts of {args.gpus} ranks, {batch} sequences of {args.seq} tokens a step", flush=True)
-    priced = fit.search(shape, cands, measure, args.seq, batch, parse_bytes(args.fit), RUNTIME[backend], args.flops,
-                        args.bandwidth, progress=lambda s: print(s, flush=True))
-    ok = [p for p in priced if p.fits]
-    print(f"fit: {len(ok)} of {len(priced)} fit {args.fit} by the estimate ({time.perf_counter() - t0:.0f} s); ranked by "
-          "estimated step time = compute / (1 - bubble) + bytes / bandwidth. An estimate from probes of 1 and 2 layers "
-          "(gradsched.sizing.fit): confirm the plan you pick with a full dry run, e.g.")
-    if ok:
-        c = ok[0].candidate
-        print(f"  python -m gradsched.dryrun {'--config ' + args.config if args.config else '--model ' + args.model} "
-              f"--pp {c.pp} --dp {c.dp} --cp {c.cp} --shard {str(c.shard).lower()} --microbatches {c.microbatches} "
-              f"--batch {batch // c.dp} --seq {args.seq}{' --checkpointing' if c.checkpointing else ''}")
-    for p in ok[:args.top]:
-        c = p.candidate
-        print(f"  pp={c.pp} dp={c.dp} cp={c.cp} shard={c.shard!r} microbatches={c.microbatches} checkpointing="
-              f"{c.checkpointing}: peak {size(p.peak)} (stage {p.stage}), {size(p.bytes_per_step)} sent a step, "
-              f"bubble {p.bubble:.2f}, ~{p.step_s:.2f} s a step")
-    if args.json:
-        with open(args.json, "w") as f:
-            f.writelines(json.dumps({"bench": "dryrun_fit", **p.row()}) + "\n" for p in priced)
-    return 0 if ok else 1
 
 
 def _lm_loss(logits, targets):

@@ -255,19 +255,22 @@ def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     run of that layout, every stage built: its worst stage's peak and that stage's state."""
     from gradsched.dryrun import _lm_loss, even_split_points, probe
     from gradsched.hf import llama
-    from gradsched.sizing import fit
+    from gradsched.sizing import fit, fit_probes
     seq, batch = 1024, 4  # long enough that activations outweigh the small parameters, as in the plans it sizes
     build = lambda layers, ckpt: llama("llama-tiny", torch.float32, False, ckpt, layers)  # noqa: E731
     model, layers = build(None, False)
     shape = fit.model_shape(model, 4)
-    cands = [fit.Candidate(1, 4, 1, "params", 1, False), fit.Candidate(2, 2, 1, True, 2, False)]
-    priced = fit.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
-                        progress=lambda s: None)
+    # zb1p at pp 4 holds more on each later stage (B keeps what its W reads, which a checkpointed B recomputes)
+    # than its pp-2 probes showed: they priced its last stage 45% low at llama-70b before counting the stashes
+    cands = [fit.Candidate(1, 4, 1, "params", 1, False), fit.Candidate(2, 2, 1, "params", 2, False),
+             fit.Candidate(4, 1, 1, True, 4, True, "zb1p")]
+    priced = fit_probes.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
+                               progress=lambda s: None)
     for p in priced:
         c = p.candidate
-        roles = dry_run(build(None, False)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, batch=batch // c.dp, seq=seq,
-                        split_points=even_split_points(layers, c.pp), shard=c.shard, device="cpu", backend="gloo",
-                        microbatches=c.microbatches, progress=lambda s: None)
+        roles = dry_run(build(None, c.checkpointing)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, batch=batch // c.dp,
+                        seq=seq, split_points=even_split_points(layers, c.pp), shard=c.shard, device="cpu",
+                        backend="gloo", microbatches=c.microbatches, schedule=c.schedule, progress=lambda s: None)
         worst = max(roles, key=lambda r: r.peak)
         assert abs(p.peak / worst.peak - 1) < 0.10, (c, p.peak, worst.peak)
         state = worst.params + worst.grads + worst.masters + worst.optimizer
@@ -275,8 +278,8 @@ def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
 
 
 def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
-    from gradsched.sizing import fit
-    exact = fit.fit_points(*[10 + 3 * L + 5 * u + 7 * L * u for L, u in fit.POINTS])
+    from gradsched.sizing import fit, fit_probes
+    exact = fit.fit_points(*[10 + 3 * L + 5 * u + 7 * L * u for L, u in fit_probes.POINTS])
     assert (exact.fixed, exact.per_layer, exact.per_seq, exact.per_layer_seq) == (10, 3, 5, 7)
     assert exact.at(4, 2) == 10 + 3 * 4 + (5 + 7 * 4) * 2
     end = fit.End(saved=exact, rest=fit.Fitted(1, 0, 0, 0))
@@ -304,14 +307,30 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     cands = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16)
     assert all(c.pp * c.dp * c.cp == 16 and c.microbatches >= min(c.pp, 16 // c.dp) for c in cands)
     assert {c.pp for c in cands} == {1, 2, 4} and {c.cp for c in cands} == {1, 2, 4, 8}
+    assert {c.schedule for c in cands if c.pp == 1} == {"1f1b"}
+    assert all(c.pp > 1 and c.microbatches >= c.pp for c in cands if c.schedule == "zb1p")
+    assert {c.schedule for c in cands if c.pp > 1} == {"1f1b", "zb1p"}
+    # in flight when a backward starts, from torch's orders, as (forwards not yet backward-ed, B's not yet W-ed):
+    # 1F1B's min(m, pp - stage), GPipe's m; ZB-H1's stage s up to pp - s and s (its last stage: one and pp - 1)
+    most = lambda held: max(f for f, _ in held)  # noqa: E731
+    assert [most(fit.in_flight(s, 4, 8, "1f1b")) for s in range(4)] == [4, 3, 2, 1]
+    assert [most(fit.in_flight(s, 4, 2, "gpipe")) for s in range(4)] == [2, 2, 2, 2]
+    assert [max(fit.in_flight(s, 4, 8, "zb1p"), key=sum) for s in range(4)] == [(4, 0), (3, 1), (2, 2), (1, 3)]
+    assert fit.in_flight(1, 2, 2, "zb1p") == [(1, 0), (1, 1)]
+    # the bubble's formula, stated in gradsched.sizing.fit: W fills two thirds of 1F1B's
+    # under zb1p (f, w) in flight hold f x saved + w x stash (a checkpointed B's stash is what it recomputes)
+    end = fit.End(one(1), one(2), zero_bubble=one(5), stash=one(3))
+    zb = fit.price(fit.Candidate(2, 1, 1, "params", 4, False, "zb1p"), shape, {(False, False, "params"): (end, end)},
+                   1, 4, 2**40, 0, 1, 1)
+    assert zb.bubble == round(1 / (3 * 4 + 1), 4) and zb.stage == 1 and zb.peak == 1 * 1 + 1 * 3 + 5 + 4 * 2
 
 
-def test_fit_refuses_a_module_factory_and_a_schedule_it_does_not_price_in_one_line():
+def test_fit_refuses_a_module_factory_and_a_schedule_it_does_not_search_in_one_line():
     from gradsched.dryrun import main
     with pytest.raises(SystemExit, match="--fit: give --gpus"):
         main(["--module", "dryrun_factory:tiny_gpt", "--fit", "80GiB", "--gpus", "8"])
-    with pytest.raises(SystemExit, match="--fit with --schedule zb1p: the fit prices 1F1B only"):
-        main(["--model", "llama-tiny", "--fit", "80GiB", "--gpus", "8", "--schedule", "zb1p"])
+    with pytest.raises(SystemExit, match="--fit with --schedule gpipe: the fit searches 1f1b"):
+        main(["--model", "llama-tiny", "--fit", "80GiB", "--gpus", "8", "--schedule", "gpipe"])
 
 
 def test_a_checkpointed_model_is_dry_run_and_holds_less_than_without():

@@ -1,4 +1,4 @@
-"""The layouts that fit: every (pp, dp, cp, shard, micro-batches, checkpointing) of a GPU count, priced
+"""The layouts that fit: every (pp, dp, cp, shard, micro-batches, checkpointing, schedule) of a GPU count, priced
 per rank, those whose every stage fits the device's memory ranked by an estimated step time.
 
 Pricing a candidate by a full dry run would build its every stage's graphs (minutes at 70B, hundreds of
@@ -12,8 +12,8 @@ candidates). Instead the graphs are built for a few small probes and each candid
               its step held above that (rest), each fitted as
                   fixed + per_layer x L + per_sequence x u + per_layer_sequence x L x u
               separately for the first stage (embedding) and the last (head and loss). A candidate's stage
-              s with L layers and u sequences per micro-batch holds k = min(m, pp - s) micro-batches'
-              saved activations at once under 1F1B, so its peak is
+              s with L layers and u sequences per micro-batch holds k micro-batches' saved activations at
+              once (from torch's order, `in_flight`: min(m, pp - s) under 1F1B, m under GPipe), so its peak is
                   state + k x saved(L, u) + rest(L, u)
                   + the pipeline stage's receive buffers (m micro-batches of its input and output gradient)
                   + the device runtime's buffers
@@ -26,10 +26,21 @@ candidates). Instead the graphs are built for a few small probes and each candid
                   max(k x saved + rest, k x saved + accumulating, saved + final)
               A peak is a maximum over moments, not a sum: a sum of 1- and 2-layer probes' terms missed a
               10-layer stage's accumulated gradients by 27% at 70B.
+              zb1p: B keeps what its W will read (its stash, measured: about what a forward without
+              checkpointing saves; a checkpointed B recomputes it first, and keeps more: llama-70b's 10 layers,
+              7.6 GiB against 0.34 saved), so a micro-batch holds its saved activations from its forward to
+              its B, and its stash from its B to its W. torch's ZB-H1 order has stage s hold up to
+              (pp - s) of the first and s of the second (1F1B: (pp - s, 0)); `in_flight` counts them at each
+              backward (f, w). Probes with three micro-batches under zb1p measure the step's peak above them
+              (zero_bubble) and the stash, checkpointed or not: a stage's activations are max over its
+              backwards of
+                  f x saved + w x stash + zero_bubble
 
 The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes / bandwidth, with
   compute = (6, or 8 with checkpointing) x the largest stage's parameters x tokens per rank per step / flops
   bubble  = (pp - 1) / (m + pp - 1)                                    (1F1B and GPipe alike)
+            (pp - 1) / (3 m + pp - 1)                                  (zb1p: W fills all but T_F + T_B - T_W
+                                                                        of each stage's wait, F, B, W equal)
   bytes   = what one rank sends per step: gradient reduce-scatter (g - 1)/g x stage parameters x dtype bytes;
             the parameters' all-gather once a step (shard=True) or in every micro-batch's forward and
             backward (shard="params"); a tie's all-reduce (2 x the tied weight, pp > 1); the activations
@@ -43,6 +54,7 @@ import itertools
 from dataclasses import asdict, dataclass
 
 SHARDS = ("params", True)
+SCHEDULES = ("1f1b", "zb1p")
 
 
 @dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Candidate:
     shard: object
     microbatches: int
     checkpointing: bool
+    schedule: str = "1f1b"  # or "zb1p" (pp > 1): each backward as B and W, W in the bubble
 
 
 @dataclass(frozen=True)
@@ -84,10 +97,13 @@ class Priced:
 
 
 def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int = 8,
-               checkpointing=(False, True), max_microbatch_choices: int = 3) -> list[Candidate]:
+               checkpointing=(False, True), max_microbatch_choices: int = 3,
+               schedules=SCHEDULES) -> list[Candidate]:
     """Every layout of `gpus` ranks: pp a power of two up to the layers, cp a power of two up to max_cp that
     splits the sequence into 2 x cp chunks (load balance), dp the rest dividing the global batch; the
-    micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them."""
+    micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them; at pp > 1 each
+    of `schedules` that runs with those micro-batches (zb1p: m >= pp, in rounds of equal size)."""
+    from gradsched.training.pipeline_schedule import resolve_schedule
     out = []
     for pp, cp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp)):
         if gpus % (pp * cp) or seq % (2 * cp):
@@ -97,9 +113,34 @@ def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int 
             continue
         b = global_batch // dp
         ms = [m for m in range(1, b + 1) if b % m == 0 and m >= min(pp, b)][:max_microbatch_choices]
-        for m, shard, ckpt in itertools.product(ms, SHARDS, checkpointing):
-            out.append(Candidate(pp, dp, cp, shard, m, ckpt))
+        for m, shard, ckpt, schedule in itertools.product(ms, SHARDS, checkpointing, schedules):
+            if pp == 1 and schedule != "1f1b":
+                continue
+            try:  # "1f1b" as parallelize's "auto": GPipe with fewer micro-batches than stages
+                out.append(Candidate(pp, dp, cp, shard, m, ckpt,
+                                     resolve_schedule("auto" if schedule == "1f1b" else schedule, pp, m)))
+            except ValueError:
+                pass  # the schedule does not run m micro-batches at this pp
     return out
+
+
+def in_flight(stage: int, pp: int, m: int, schedule: str) -> list[tuple[int, int]]:
+    """When each of stage's backwards starts, in torch's order for the schedule: (micro-batches whose forward ran
+    and backward did not, those whose B ran and W did not). A B keeps what its W reads (under zb1p; measured:
+    about all a forward without checkpointing saves, which a checkpointed B recomputes first). 1F1B: up to
+    (min(m, pp - stage), 0); GPipe (m, 0); ZB-H1 up to (pp - stage, stage) at m >= pp."""
+    from gradsched.training.pipeline_schedule import schedule_order
+    forwards = backwards = weights = 0
+    out = []
+    for kind, _ in schedule_order(stage, pp, m, schedule):
+        if kind == "F":
+            forwards += 1
+        elif kind == "B":
+            out.append((forwards - backwards, backwards - weights if schedule == "zb1p" else 0))
+            backwards += 1
+        else:
+            weights += 1
+    return sorted(set(out))
 
 
 def _powers(n: int) -> list[int]:
@@ -141,9 +182,21 @@ class End:
     rest: Fitted
     accumulating: Fitted | None = None
     final: Fitted | None = None
+    zero_bubble: Fitted | None = None  # zb1p: the step's peak above its micro-batches in flight (in_flight)
+    stash: Fitted | None = None  # zb1p: what a B keeps for its W (measured: its probes' Role.stash)
 
     def at(self, layers: int, seqs: float, in_flight: int) -> float:
         return in_flight * self.saved.at(layers, seqs) + self.rest.at(layers, seqs)
+
+    def zero_bubble_at(self, layers: int, seqs: float, held: list) -> float:
+        saved, stash = self.saved.at(layers, seqs), self.stash.at(layers, seqs)
+        return max(f * saved + w * stash for f, w in held) + self.zero_bubble.at(layers, seqs)
+
+    def zero_bubble_layers(self, layers: int, seqs: float, held: list, last: "End") -> float:
+        """A middle stage under zb1p: the layers' terms alone, of the last end's B and W (the first stage's B
+        computes no input gradient: its W does all the work, and its B keeps nothing for it)."""
+        saved, stash = _layers(self.saved, layers, seqs), _layers(last.stash, layers, seqs)
+        return max(f * saved + w * stash for f, w in held) + _layers(last.zero_bubble, layers, seqs)
 
     def layers_only(self, layers: int, seqs: float, in_flight: int) -> float:
         """A middle stage: the layers' terms alone."""
@@ -163,11 +216,6 @@ def fit_points(t11: float, t21: float, t12: float, t22: float) -> Fitted:
     return Fitted(t11 - per_layer - per_seq - per_layer_seq, per_layer, per_seq, per_layer_seq)
 
 
-def probe_keys(cands: list[Candidate]) -> list[tuple[bool, bool, object]]:
-    """The probes the candidates need: (cp > 1, checkpointing, shard)."""
-    return sorted({(c.cp > 1, c.checkpointing, c.shard) for c in cands}, key=repr)
-
-
 def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: int, memory: int, runtime: int,
           flops: float, bandwidth: float) -> Priced:
     """A candidate's worst stage and its cost (see the module docstring). `fits`: probe key -> (first, last)."""
@@ -180,9 +228,13 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     head = shape.last_params - (shape.vocab * shape.hidden if shape.tied and c.pp == 1 else 0)  # pp 1: one copy
     for s, layers in enumerate(stage_layers(shape.layers, c.pp)):
         params = layers * shape.layer_params + (shape.first_params if s == 0 else 0) + (head if s == c.pp - 1 else 0)
-        k = min(m, c.pp - s)
+        held = in_flight(s, c.pp, m, c.schedule)
+        k = max(f for f, _ in held)
         seqs = u * 2 / c.cp if c.cp > 1 else u  # the probes' sequences holding as many local tokens
-        if c.pp == 1:  # both ends, the layers counted once (the first's); their rests are one step's: the larger
+        if c.schedule == "zb1p":  # its probes' peaks above their micro-batches in flight (the backwards' included)
+            act = (first.zero_bubble_at(layers, seqs, held) if s == 0 else last.zero_bubble_at(layers, seqs, held)
+                   if s == c.pp - 1 else first.zero_bubble_layers(layers, seqs, held, last))
+        elif c.pp == 1:  # both ends, the layers counted once (the first's); their rests are one step's: the larger
             act = k * (first.saved.at(layers, seqs) + last.saved.at(0, seqs)) + \
                 max(first.rest.at(layers, seqs), last.rest.at(0, seqs))
         elif s == 0:
@@ -191,7 +243,7 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
             act = last.at(layers, seqs, k)
         else:
             act = first.layers_only(layers, seqs, k)
-        if m > 1:  # gradients accumulated whole until the step's reduction: the backwards' own peaks may be higher
+        if m > 1 and c.schedule != "zb1p":  # gradients accumulated whole until the step's reduction: the backwards' own peaks may be higher
             act = max(act, *_backward_peaks(first, last, s, c.pp, layers, seqs, k))
         act += (m * boundary if s > 0 else 0) + (m * boundary if s < c.pp - 1 else 0)
         state = state_bytes(params, c.shard, g, d)
@@ -201,7 +253,8 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     peak, s, state, _ = worst
     biggest = max(layers * shape.layer_params for layers in stage_layers(shape.layers, c.pp)) + \
         max(shape.first_params, shape.last_params)
-    bubble = (c.pp - 1) / (m + c.pp - 1)
+    # W fills the bubble: (pp - 1) x (T_F + T_B - T_W) idle of m x (T_F + T_B + T_W), the three taken equal
+    bubble = (c.pp - 1) / ((3 * m if c.schedule == "zb1p" else m) + c.pp - 1)
     compute = (8 if c.checkpointing else 6) * biggest * tokens * m / flops
     moved = _bytes_moved(c, shape, biggest, tokens, boundary)
     return Priced(c, peak, s, state, moved, round(bubble, 4), compute / (1 - bubble) + moved / bandwidth,
@@ -233,84 +286,6 @@ def _bytes_moved(c: Candidate, shape: ModelShape, params: int, tokens: float, bo
         kv = tokens * shape.kv_dim * 2 * d
         moved += 3 * (c.cp - 1) * kv * m * max(stage_layers(shape.layers, c.pp))
     return int(moved)
-
-
-POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (layers a stage, sequences) of the probes
-
-
-def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_batch: int, memory: int,
-           runtime: int, flops: float, bandwidth: float, progress=print) -> list[Priced]:
-    """Every candidate priced (see the module docstring), those that fit first, cheapest first.
-    measure(layers, sequences, cp, checkpointing, shard, microbatches=1) -> ((saved, rest, accumulating, final)
-    of the first stage, of the last) of a two-stage dry run with `layers` a stage and micro-batches of `sequences`
-    (see End).
-
-    Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
-    (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
-    changes what a step holds for the parameters and gradients (the terms without a sequence), not the
-    activations, so its sequence terms are params' and checkpointing moves its other terms as it moves
-    params'. With m > 1 among the candidates, three micro-batches (End's backward peaks): shard="params" at the
-    four POINTS, shard=True at 1 and 2 layers (its sequence terms params'), without checkpointing (checkpointing
-    shifts them as it shifts rest). About sixteen dry runs of a few layers per class instead of one of the whole
-    model per candidate."""
-    keys = probe_keys(cands)
-    base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
-    for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
-        got = [measure(layers, seqs, 2 if cpc else 1, ckpt, "params") for layers, seqs in POINTS]
-        base[(cpc, ckpt)] = tuple(End(*(fit_points(*(g[end][part] for g in got)) for part in (0, 1)))
-                                  for end in (0, 1))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}")
-    fits = {}
-    for cpc, ckpt, shard in keys:
-        if shard == "params":
-            fits[(cpc, ckpt, shard)] = base[(cpc, ckpt)]
-            continue
-        if (cpc, False, shard) not in fits:
-            t1, t2 = (measure(layers, 1, 2 if cpc else 1, False, shard) for layers in (1, 2))
-            fits[(cpc, False, shard)] = tuple(
-                End(*(with_own_parameters(getattr(base[(cpc, False)][e], f), t1[e][i], t2[e][i])
-                      for i, f in enumerate(("saved", "rest")))) for e in (0, 1))
-            progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}")
-        if ckpt:
-            fits[(cpc, ckpt, shard)] = tuple(
-                End(*(moved_like(getattr(fits[(cpc, False, shard)][e], f), getattr(base[(cpc, False)][e], f),
-                                 getattr(base[(cpc, True)][e], f)) for f in ("saved", "rest"))) for e in (0, 1))
-    backward = {}  # (cp > 1, shard) -> per end (accumulating, final), from three micro-batches: m > 1 only
-    for cpc, shard in sorted({(c.cp > 1, c.shard) for c in cands if c.microbatches > 1}, key=repr):
-        if (cpc, "params") not in backward:
-            got = [measure(layers, seqs, 2 if cpc else 1, False, "params", microbatches=3) for layers, seqs in POINTS]
-            backward[(cpc, "params")] = [[fit_points(*(g[e][part] for g in got)) for part in (2, 3)] for e in (0, 1)]
-        if shard != "params":
-            t1, t2 = (measure(layers, 1, 2 if cpc else 1, False, shard, microbatches=3) for layers in (1, 2))
-            backward[(cpc, shard)] = [[with_own_parameters(f, t1[e][part], t2[e][part]) for f, part in
-                                       zip(backward[(cpc, "params")][e], (2, 3))] for e in (0, 1)]
-        for key in [k for k in fits if (k[0], k[2]) == (cpc, shard)]:
-            plain = fits.get((cpc, False, shard)) or base[(cpc, False)]
-            fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest)
-                                                     for b in backward[(cpc, shard)][e]))
-                              for e, f in enumerate(fits[key]))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
-    priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
-    return sorted(priced, key=lambda p: (not p.fits, p.step_s))
-
-
-def with_own_parameters(base: Fitted, t11: float, t21: float) -> Fitted:
-    """`base`'s sequence terms, with the other two from transients at one sequence and 1 and 2 layers."""
-    per_layer = t21 - t11 - base.per_layer_seq
-    return Fitted(t11 - per_layer - base.per_seq - base.per_layer_seq, per_layer, base.per_seq, base.per_layer_seq)
-
-
-def shifted(fitted: Fitted, before: Fitted, after: Fitted) -> Fitted:
-    """`fitted` moved by as much as `before` moved into `after`, every term (checkpointing a backward's peak)."""
-    return Fitted(*[getattr(fitted, f) + getattr(after, f) - getattr(before, f)
-                    for f in ("fixed", "per_layer", "per_seq", "per_layer_seq")])
-
-
-def moved_like(fitted: Fitted, before: Fitted, after: Fitted) -> Fitted:
-    """`fitted` changed as `before` changed into `after` (checkpointing): the latter's sequence terms, and its
-    other terms moved by as much."""
-    return Fitted(fitted.fixed + after.fixed - before.fixed, fitted.per_layer + after.per_layer - before.per_layer,
-                  after.per_seq, after.per_layer_seq)
 
 
 def model_shape(causal_lm, dtype_bytes: int) -> ModelShape:
