@@ -5,6 +5,7 @@ Its peak is checked against what the CPU allocator itself counts when a real ran
 world: the same graphs on real tensors, collectives that move nothing) trains the same plan; its bytes
 per collective against the bucket layout's arithmetic; its verdict against a layout the verifier must
 reject."""
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -310,6 +311,8 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert {c.schedule for c in cands if c.pp == 1} == {"1f1b"}
     assert all(c.pp > 1 and c.microbatches >= c.pp for c in cands if c.schedule == "zb1p")
     assert {c.schedule for c in cands if c.pp > 1} == {"1f1b", "zb1p"}
+    only = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16, schedules=("zb1p",))
+    assert {c.pp for c in only} == {1, 2, 4} and {c.schedule for c in only if c.pp > 1} == {"zb1p"}
     # in flight when a backward starts, from torch's orders, as (forwards not yet backward-ed, B's not yet W-ed):
     # 1F1B's min(m, pp - stage), GPipe's m; ZB-H1's stage s up to pp - s and s (its last stage: one and pp - 1)
     most = lambda held: max(f for f, _ in held)  # noqa: E731
@@ -323,6 +326,15 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     zb = fit.price(fit.Candidate(2, 1, 1, "params", 4, False, "zb1p"), shape, {(False, False, "params"): (end, end)},
                    1, 4, 2**40, 0, 1, 1)
     assert zb.bubble == round(1 / (3 * 4 + 1), 4) and zb.stage == 1 and zb.peak == 1 * 1 + 1 * 3 + 5 + 4 * 2
+    # a middle stage: the first end's saved per layer, the last end's stash and peak per layer (the first stage's B
+    # computes no input gradient, so the first end's show neither)
+    layer = lambda c: fit.Fitted(0, c, 0, 0)  # noqa: E731
+    first = fit.End(layer(1), one(0), zero_bubble=layer(100), stash=layer(1000))
+    last = fit.End(layer(2), one(0), zero_bubble=layer(7), stash=layer(3))
+    assert first.zero_bubble_layers(1, 1.0, fit.in_flight(2, 4, 8, "zb1p"), last) == 2 * 1 + 2 * 3 + 7  # (2, 2)
+    four = dataclasses.replace(shape, layers=4)
+    assert fit.price(fit.Candidate(4, 1, 1, "params", 8, True, "zb1p"), four, {(False, True, "params"): (first, last)},
+                     1, 8, 2**40, 0, 1, 1).bubble == round(3 / (2 * 8 + 3), 4)  # B recomputes: twice F
 
 
 def test_fit_refuses_a_module_factory_and_a_schedule_it_does_not_search_in_one_line():

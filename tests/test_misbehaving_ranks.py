@@ -130,6 +130,7 @@ def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
     flags.observe(nonfinite.FORWARD, (torch.full((1000,), torch.finfo(torch.float32).max),
                                       torch.full((1000,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)))
     flags.observe(nonfinite.FORWARD, torch.full((4,), torch.finfo(torch.float64).max, dtype=torch.float64))
+    flags.observe(nonfinite.FORWARD, torch.tensor([torch.finfo(torch.float16).min, 0.0], dtype=torch.float16))
     flags.observe(nonfinite.LOSS, torch.tensor([1.0, float("-inf")]))
     assert flags.bad("cpu").tolist() == [0, 1, 1, 0]
 

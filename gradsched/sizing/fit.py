@@ -8,8 +8,8 @@ candidates). Instead the graphs are built for a few small probes and each candid
               g = dp x cp; `state_bytes`), the dry run's own accounting
   activations measured by probes: a two-stage dry run (pp 2, one micro-batch) of the same model cut to
               1 and 2 layers a stage, with 1 and 2 sequences, per cp class (1, or more) and checkpointing
-              (`search` says which, about twelve a class): what each stage's forward left alive (saved) and the most
-              its step held above that (rest), each fitted as
+              (gradsched.sizing.fit_probes.search says which, 16 to 28 a class): what each stage's forward
+              left alive (saved) and the most its step held above that (rest), each fitted as
                   fixed + per_layer x L + per_sequence x u + per_layer_sequence x L x u
               separately for the first stage (embedding) and the last (head and loss). A candidate's stage
               s with L layers and u sequences per micro-batch holds k micro-batches' saved activations at
@@ -40,7 +40,8 @@ The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes
   compute = (6, or 8 with checkpointing) x the largest stage's parameters x tokens per rank per step / flops
   bubble  = (pp - 1) / (m + pp - 1)                                    (1F1B and GPipe alike)
             (pp - 1) / (3 m + pp - 1)                                  (zb1p: W fills all but T_F + T_B - T_W
-                                                                        of each stage's wait, F, B, W equal)
+                                                                        of each stage's wait, F, B, W equal;
+            (pp - 1) / (2 m + pp - 1)                                   checkpointed, B = 2 F: it recomputes)
   bytes   = what one rank sends per step: gradient reduce-scatter (g - 1)/g x stage parameters x dtype bytes;
             the parameters' all-gather once a step (shard=True) or in every micro-batch's forward and
             backward (shard="params"); a tie's all-reduce (2 x the tied weight, pp > 1); the activations
@@ -102,7 +103,8 @@ def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int 
     """Every layout of `gpus` ranks: pp a power of two up to the layers, cp a power of two up to max_cp that
     splits the sequence into 2 x cp chunks (load balance), dp the rest dividing the global batch; the
     micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them; at pp > 1 each
-    of `schedules` that runs with those micro-batches (zb1p: m >= pp, in rounds of equal size)."""
+    of `schedules` that runs with those micro-batches (zb1p: m >= pp, in rounds of equal size); at pp 1 one
+    candidate (no pipeline, no schedule)."""
     from gradsched.training.pipeline_schedule import resolve_schedule
     out = []
     for pp, cp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp)):
@@ -114,10 +116,10 @@ def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int 
         b = global_batch // dp
         ms = [m for m in range(1, b + 1) if b % m == 0 and m >= min(pp, b)][:max_microbatch_choices]
         for m, shard, ckpt, schedule in itertools.product(ms, SHARDS, checkpointing, schedules):
-            if pp == 1 and schedule != "1f1b":
+            if pp == 1 and schedule != schedules[0]:  # no pipeline: one candidate, whatever the schedules
                 continue
             try:  # "1f1b" as parallelize's "auto": GPipe with fewer micro-batches than stages
-                out.append(Candidate(pp, dp, cp, shard, m, ckpt,
+                out.append(Candidate(pp, dp, cp, shard, m, ckpt, "1f1b" if pp == 1 else
                                      resolve_schedule("auto" if schedule == "1f1b" else schedule, pp, m)))
             except ValueError:
                 pass  # the schedule does not run m micro-batches at this pp
@@ -253,8 +255,9 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     peak, s, state, _ = worst
     biggest = max(layers * shape.layer_params for layers in stage_layers(shape.layers, c.pp)) + \
         max(shape.first_params, shape.last_params)
-    # W fills the bubble: (pp - 1) x (T_F + T_B - T_W) idle of m x (T_F + T_B + T_W), the three taken equal
-    bubble = (c.pp - 1) / ((3 * m if c.schedule == "zb1p" else m) + c.pp - 1)
+    # W fills the bubble: (pp - 1) x (T_F + T_B - T_W) idle of m x (T_F + T_B + T_W), the three taken equal (a
+    # checkpointed B recomputes its forward: twice as long)
+    bubble = (c.pp - 1) / (((2 if c.checkpointing else 3) * m if c.schedule == "zb1p" else m) + c.pp - 1)
     compute = (8 if c.checkpointing else 6) * biggest * tokens * m / flops
     moved = _bytes_moved(c, shape, biggest, tokens, boundary)
     return Priced(c, peak, s, state, moved, round(bubble, 4), compute / (1 - bubble) + moved / bandwidth,

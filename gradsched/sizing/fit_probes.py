@@ -20,8 +20,8 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
            runtime: int, flops: float, bandwidth: float, progress=print) -> list[Priced]:
     """Every candidate priced (see the module docstring), those that fit first, cheapest first.
     measure(layers, sequences, cp, checkpointing, shard, microbatches=1, schedule="auto") -> ((saved, rest,
-    accumulating, final) of the first stage, of the last) of a two-stage dry run with `layers` a stage and
-    micro-batches of `sequences` (see End).
+    accumulating, final, stash) of the first stage, of the last) of a two-stage dry run with `layers` a stage and
+    micro-batches of `sequences` (see End; gradsched.dryrun.probe).
 
     Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
     (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
