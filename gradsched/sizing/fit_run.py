@@ -47,7 +47,7 @@ def fit_main(args, probe, build) -> int:
         print(f"  pp={c.pp} dp={c.dp} cp={c.cp} shard={c.shard!r} microbatches={c.microbatches} "
               f"{'schedule=' + c.schedule + ' ' if c.pp > 1 else ''}checkpointing="
               f"{c.checkpointing}: peak {size(p.peak)} (stage {p.stage}), {size(p.bytes_per_step)} sent a step, "
-              f"bubble {p.bubble:.2f}, ~{p.step_s:.2f} s a step")
+              f"bubble {p.bubble:.2f}, ~{p.step_s:.3g} s a step")
     if args.json:
         with open(args.json, "w") as f:
             f.writelines(json.dumps({"bench": "dryrun_fit", **p.row()}) + "\n" for p in priced)
