@@ -332,6 +332,12 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     first = fit.End(layer(1), one(0), zero_bubble=layer(100), stash=layer(1000))
     last = fit.End(layer(2), one(0), zero_bubble=layer(7), stash=layer(3))
     assert first.zero_bubble_layers(1, 1.0, fit.in_flight(2, 4, 8, "zb1p"), last) == 2 * 1 + 2 * 3 + 7  # (2, 2)
+    # a candidate said "1f1b" with fewer micro-batches than stages is priced as what runs then: GPipe
+    gpipe = {(False, False, "params"): (fit.End(one(1), one(0), one(0), one(0)), fit.End(one(100), one(0), one(0),
+                                                                                       one(0)))}
+    ask = lambda schedule: fit.price(fit.Candidate(4, 1, 1, "params", 2, False, schedule), dataclasses.replace(  # noqa
+        shape, layers=4), gpipe, 1, 2, 2**40, 0, 1, 1).peak
+    assert ask("1f1b") == ask("gpipe") >= 2 * 100  # the last stage holds both micro-batches' saved
     four = dataclasses.replace(shape, layers=4)
     assert fit.price(fit.Candidate(4, 1, 1, "params", 8, True, "zb1p"), four, {(False, True, "params"): (first, last)},
                      1, 8, 2**40, 0, 1, 1).bubble == round(3 / (2 * 8 + 3), 4)  # B recomputes: twice F

@@ -230,7 +230,7 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     head = shape.last_params - (shape.vocab * shape.hidden if shape.tied and c.pp == 1 else 0)  # pp 1: one copy
     for s, layers in enumerate(stage_layers(shape.layers, c.pp)):
         params = layers * shape.layer_params + (shape.first_params if s == 0 else 0) + (head if s == c.pp - 1 else 0)
-        held = in_flight(s, c.pp, m, c.schedule)
+        held = in_flight(s, c.pp, m, "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule)  # as "auto" runs
         k = max(f for f, _ in held)
         seqs = u * 2 / c.cp if c.cp > 1 else u  # the probes' sequences holding as many local tokens
         if c.schedule == "zb1p":  # its probes' peaks above their micro-batches in flight (the backwards' included)
