@@ -135,6 +135,18 @@ def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
     assert flags.bad("cpu").tolist() == [0, 1, 1, 0]
 
 
+def test_reduced_gradients_are_bad_exactly_when_an_element_is_not_finite_in_their_own_dtype():
+    from types import SimpleNamespace
+    def bad(*grads):
+        sync = SimpleNamespace(sync_plan=SimpleNamespace(shard=True), reduced=lambda: list(grads))
+        return nonfinite.reduced_gradients_bad(sync, "cpu").item()
+    big = torch.finfo(torch.float64).max
+    assert bad(torch.tensor([1.0, -2.0]), torch.tensor([big, -big], dtype=torch.float64)) == 0  # finite in fp64
+    assert bad(torch.tensor([1.0, float("nan")]), torch.zeros(3)) == 1
+    assert bad(torch.zeros(2, dtype=torch.bfloat16), torch.tensor([-float("inf")], dtype=torch.float64)) == 1
+    assert bad(torch.tensor([torch.finfo(torch.float16).max], dtype=torch.float16)) == 0
+
+
 def test_boundaries_name_the_sender_of_the_first_disagreeing_boundary():
     ok = {"inputs": [((4, 16, 32), "float32")], "outputs": [((4, 16, 32), "float32")]}
     short = {"inputs": [((4, 12), "int64")], "outputs": [((4, 12, 32), "float32")]}

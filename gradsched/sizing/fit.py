@@ -221,6 +221,7 @@ def fit_points(t11: float, t21: float, t12: float, t22: float) -> Fitted:
 def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: int, memory: int, runtime: int,
           flops: float, bandwidth: float) -> Priced:
     """A candidate's worst stage and its cost (see the module docstring). `fits`: probe key -> (first, last)."""
+    from gradsched.training.pipeline_schedule import resolve_schedule  # "1f1b" as "auto" runs it: GPipe if m < pp
     first, last = fits[(c.cp > 1, c.checkpointing, c.shard)]
     g, d, m = c.dp * c.cp, shape.dtype_bytes, c.microbatches
     u = global_batch // c.dp / m  # sequences per micro-batch
@@ -230,7 +231,7 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     head = shape.last_params - (shape.vocab * shape.hidden if shape.tied and c.pp == 1 else 0)  # pp 1: one copy
     for s, layers in enumerate(stage_layers(shape.layers, c.pp)):
         params = layers * shape.layer_params + (shape.first_params if s == 0 else 0) + (head if s == c.pp - 1 else 0)
-        held = in_flight(s, c.pp, m, "gpipe" if c.schedule == "1f1b" and m < c.pp else c.schedule)  # as "auto" runs
+        held = in_flight(s, c.pp, m, resolve_schedule("auto", c.pp, m) if c.schedule == "1f1b" else c.schedule)
         k = max(f for f, _ in held)
         seqs = u * 2 / c.cp if c.cp > 1 else u  # the probes' sequences holding as many local tokens
         if c.schedule == "zb1p":  # its probes' peaks above their micro-batches in flight (the backwards' included)

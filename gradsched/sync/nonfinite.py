@@ -106,8 +106,9 @@ def reduced_gradients_bad(sync, device) -> torch.Tensor:
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
     # one pass a gradient, its smallest and largest elements (one non-finite exactly when an element is; an
-    # inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5), then one test
-    extremes = [x.float() for g in grads for x in torch.aminmax(g)]
+    # inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5), then one test, in float64: a float64
+    # gradient's finite extremes may not fit a float32
+    extremes = [x.double() for g in grads for x in torch.aminmax(g)]
     return (~torch.isfinite(torch.stack(extremes))).any().to(torch.float64)
 
 
