@@ -34,8 +34,10 @@ def median_of_slowest(ranks: list[dict], key: str = "step_times") -> float:
 
 def peak_increment(prof) -> int:
     """The most bytes alive over the profiled region above those alive at its start: the CPU allocator's
-    running total, which the profiler records with every allocation and free (any thread, in or outside an
-    op). The events' own memory columns are not enough: an allocation outside any op (Inductor's buffers, a
+    running total, which the profiler records with every allocation and free in or outside an op, on the
+    threads it profiles. A free on another thread (gloo's worker releasing a collective's buffer) is never
+    subtracted, so use this for one thread's work only; benchmarks/cpu_peak.py counts every thread.
+    The events' own memory columns are not enough: an allocation outside any op (Inductor's buffers, a
     collective's) is counted at its enclosing event's start together with its free, so peaks vanish."""
     from torch._C._profiler import _EventType
     from torch.profiler._memory_profiler import OpTree

@@ -34,6 +34,7 @@ import argparse
 import cProfile
 import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -97,17 +98,24 @@ class Trainer:
         self.opt.zero_grad()
 
 
-def own_ms(stats: pstats.Stats, paths: tuple) -> float:
-    """Self time of the functions in `paths` and of the C calls they make directly, in ms; a collective or a
-    wait for one is communication (on gloo it blocks the host), not host overhead: left out."""
+def own_entries(stats: pstats.Stats, paths: tuple) -> dict:
+    """Self time in ms of each function in `paths`, and of each C call they make directly (charged to its
+    caller); a collective or a wait for one is communication (on gloo it blocks the host), not host overhead:
+    left out."""
     mine = lambda func: any(p in func[0].replace("\\", "/") for p in paths)  # noqa: E731
-    total = 0.0
+    out = {}
     for func, (_, _, tt, _, callers) in stats.stats.items():
         if mine(func):
-            total += tt
+            out[func] = out.get(func, 0.0) + 1e3 * tt
         elif func[0] == "~" and "c10d" not in func[2]:  # a built-in: what these functions' calls to it took
-            total += sum(c[2] for caller, c in callers.items() if mine(caller))
-    return 1e3 * total
+            for caller, c in callers.items():
+                if mine(caller):
+                    out[caller] = out.get(caller, 0.0) + 1e3 * c[2]
+    return out
+
+
+def own_ms(stats: pstats.Stats, paths: tuple) -> float:
+    return sum(own_entries(stats, paths).values())
 
 
 def watchdog_cpu_s() -> float:
@@ -121,7 +129,7 @@ def watchdog_cpu_s() -> float:
         return 0.0
 
 
-def rank_run(rank: int, world: int, impls: list, jobs: dict) -> dict:
+def rank_run(rank: int, world: int, impls: list, jobs: dict, top: int = 0) -> dict:
     """Every implementation on these processes, their timed steps interleaved (one step of each in turn), so that
     whatever else the machine does falls on all of them alike; then each profiled on its own."""
     trainers = {impl: Trainer(impl, jobs[impl]) for impl in impls}
@@ -151,7 +159,9 @@ def rank_run(rank: int, world: int, impls: list, jobs: dict) -> dict:
         out[impl] = {"step_times": times[impl][WARMUP:],
                      "own_ms_per_mb": own_ms(stats, OWN[impl]) / per_mb + watchdog_ms / MICROBATCHES,
                      "pipelining_ms_per_mb": own_ms(stats, OWN["pipelining"]) / per_mb,
-                     "watchdog_ms_per_step": watchdog_ms}
+                     "watchdog_ms_per_step": watchdog_ms,
+                     "top": sorted(((f"{f[0].rsplit('/', 2)[-1]}:{f[1]}({f[2]})", ms / per_mb)
+                                    for f, ms in own_entries(stats, OWN[impl]).items()), key=lambda e: -e[1])[:top]}
     return out
 
 
@@ -163,6 +173,8 @@ def main(argv=None) -> int:
     ap.add_argument("--impl", nargs="+", default=list(IMPLS), choices=IMPLS)
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
                     "host_overhead_pp{pp}_dp{dp}.jsonl")
+    ap.add_argument("--top", type=int, default=0, help="print each rank's N costliest own functions (self time "
+                    "and direct C calls, ms per micro-batch) to stderr")
     args = ap.parse_args(argv)
     world = args.pp * args.dp
     # every rank runs 8 micro-batches of one sequence; DDP and FSDP2 spread the global batch over every process
@@ -180,7 +192,11 @@ def main(argv=None) -> int:
         jobs = {impl: job if impl.startswith("gradsched") else whole for impl in impls}
         print(f"host_overhead.py: {' and '.join(impls)} on the same {world} processes, steps interleaved ...",
               flush=True)
-        ranks = run_ranks(rank_run, world, impls, jobs, timeout_s=1800)
+        ranks = run_ranks(rank_run, world, impls, jobs, args.top, timeout_s=1800)
+        for rank, r in enumerate(ranks):
+            for impl in impls if args.top else ():
+                print(f"rank {rank} {impl}: " + "; ".join(f"{name} {ms:.3f}" for name, ms in r[impl]["top"]),
+                      file=sys.stderr)
         ddp_ms = None
         for impl in impls:
             per_rank = [r[impl] for r in ranks]

@@ -24,8 +24,9 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
                      two moments (fp32: 16 bytes a parameter)
   peak_bytes_per_rank  measured, largest over ranks. CPU: the rank's bytes alive at the start of the last
                      step (counted as above) plus the most bytes alive above that over the step (forward,
-                     backward, optimizer step), from torch.profiler's memory timeline (every allocation and
-                     free). CUDA: torch.cuda.max_memory_allocated over the last step, which also counts what
+                     backward, optimizer step), counted by a CPU allocator that sees every thread's
+                     allocations and frees (benchmarks/cpu_peak.py; torch.profiler's memory events miss
+                     frees made on gloo's threads, which read as a peak too high by up to a bucket). CUDA: torch.cuda.max_memory_allocated over the last step, which also counts what
                      the rank holds beyond its training state (cuBLAS's workspaces, a library's buffers)
   predicted_peak_bytes  gradsched's rows: the dry run's (gradsched.dryrun) peak for this plan, from the model
                      built on the meta device in this one process, over torch's fake process group; null for
@@ -54,7 +55,8 @@ import time
 
 import torch
 
-from common import RESULTS, emit, median_of_slowest, peak_increment  # benchmarks/common.py (the script's folder is on sys.path)
+import cpu_peak  # benchmarks/cpu_peak.py: every thread's allocations and frees
+from common import RESULTS, emit, median_of_slowest  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.training.live_bytes import storage_bytes as live_storage_bytes
 from tied_training import Job, abs_diff, batch, build_model
@@ -152,8 +154,9 @@ def _fake_all_reduce_hook(state, bucket):
 
 def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_mb: float,
              device: str = "cpu") -> dict:
-    from torch.profiler import ProfilerActivity, profile
     cuda = device == "cuda"
+    if not cuda:
+        cpu_peak.install()  # before the model: the CPU allocator then counts every thread's frees
     trainer = Trainer(impl, job, compiler, bucket_mb, device)
     per_rank = job.global_batch // job.dp
     dp_idx = trainer.model.plan.coords()[1] if impl.startswith("gradsched") else rank  # DDP, FSDP2: all dp
@@ -167,18 +170,18 @@ def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_m
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+        elif last:
+            cpu_peak.reset()
         t0 = time.perf_counter()
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) if last and not cuda \
-                else _nothing() as prof:
-            trainer.forward_backward(x, y)
-            if last:
-                state = storage_bytes(trainer.held())  # gradients reduced, the optimizer about to step
-            trainer.step()
+        trainer.forward_backward(x, y)
+        if last:
+            state = storage_bytes(trainer.held())  # gradients reduced, the optimizer about to step
+        trainer.step()
         if cuda:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         if last:
-            peak = torch.cuda.max_memory_allocated() if cuda else at_start + peak_increment(prof)
+            peak = torch.cuda.max_memory_allocated() if cuda else at_start + cpu_peak.peak()
     return {"step_times": times, "state_bytes": state, "peak_bytes": peak,
             "params": trainer.full_parameters() if not cuda else {}}
 
@@ -200,14 +203,6 @@ def fake_world_run(impl: str, job: Job, compiler: str, bucket_mb: float, device:
         finally:
             dist.destroy_process_group()
     return ranks
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, backend: str,
@@ -289,6 +284,8 @@ def main(argv=None) -> int:
     if args.bucket_mb is None:  # one block, as FSDP2 is wrapped: both move the same bytes at a time
         block = build_model(job)[0].blocks[0]
         args.bucket_mb = sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
+    if not args.device == "cuda":
+        cpu_peak.build()  # compiled once here, before the ranks load it
     refs, exact = {}, None
     numel = sum(p.numel() for n, p in build_model(job)[0].named_parameters())
     rows = []

@@ -17,7 +17,7 @@ starts at a barrier. One JSON object per schedule:
                             / (ranks x step time), median over the timed steps, from each rank's timestamps
                             (gradsched.training.pipeline_schedule.Timeline): what the ranks spent waiting
   peak_bytes_per_rank       the most bytes alive above the step's start during one more step, the largest over
-                            ranks (the CPU allocator's total, benchmarks/common.peak_increment)
+                            ranks (every thread's allocations and frees, benchmarks/cpu_peak.py)
   tie_bytes_per_step        bytes the tie all-reduce moves per step on a rank (0 for the untied peer)
   max_rel_grad_diff_vs_one_process   the first step's reduced gradients against the unsplit model's in one
                             process (fp32), relative to its largest gradient
@@ -34,7 +34,8 @@ from dataclasses import replace
 
 import torch
 
-from common import RESULTS, emit, peak_increment  # benchmarks/common.py (the script's folder is on sys.path)
+import cpu_peak  # benchmarks/cpu_peak.py: every thread's allocations and frees
+from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.training.pipeline_schedule import Timeline
 from tied_training import Job, batch, build_model, gradient_error, reduced_gradients, reference
@@ -54,7 +55,7 @@ def job_for(pp: int, m: int, schedule: str, compiler: str, variant: str = "") ->
 
 
 def _steps(rank, run_step, timeline: Timeline, a) -> dict:
-    """Warm-up, timed and one profiled step of `run_step(step)`; the timed steps' timeline per step."""
+    """Warm-up, timed and one measured step of `run_step(step)`; the timed steps' timeline per step."""
     import torch.distributed as dist
     times, steps = [], []
     for step in range(a.warmup + a.steps):
@@ -69,9 +70,9 @@ def _steps(rank, run_step, timeline: Timeline, a) -> dict:
             times.append(t1 - t0)
             steps.append({"start": t0, "end": t1, "events": list(timeline.events)})
     dist.barrier()
-    with torch.profiler.profile(profile_memory=True) as prof:
-        run_step(a.warmup + a.steps)
-    return {"rank": rank, "step_times": times, "steps": steps, "peak": peak_increment(prof)}
+    cpu_peak.reset()
+    run_step(a.warmup + a.steps)
+    return {"rank": rank, "step_times": times, "steps": steps, "peak": cpu_peak.peak()}
 
 
 def _gradsched(rank, schedule: str, a) -> dict:
@@ -134,6 +135,7 @@ def _peer(rank, a) -> dict:
 
 
 def bench_rank(rank: int, world: int, a) -> dict:
+    cpu_peak.install()
     torch.manual_seed(0)
     out = {}
     for schedule in a.schedules:
@@ -195,6 +197,7 @@ def main() -> None:
         ap.error("--schedules must include 1f1b: every ratio is to it")
     if CONFIG.layers % a.pp:
         ap.error(f"--pp {a.pp} does not divide the model's {CONFIG.layers} layers")
+    cpu_peak.build()  # compiled once here, before the ranks load it
     per_rank = run_ranks(bench_rank, a.pp, a, timeout_s=3000, collective_timeout_s=600)
     results = {name: [r[name] for r in per_rank] for name in per_rank[0]}
     refs = {v: reference(job_for(a.pp, a.microbatches, "1f1b", "eager", variant=v)) for v in ("", "untied")}
