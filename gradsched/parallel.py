@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 import torch.nn as nn
@@ -125,7 +126,9 @@ class ParallelModel:
         # unflattener turns into a call with no arguments. The stages still run under
         # autograd; only the trace is affected.
         try:
-            with torch.no_grad(), checkpointed_calls() as checkpointed:
+            with torch.no_grad(), checkpointed_calls() as checkpointed, warnings.catch_warnings():
+                # torch's own deepcopy of the traced graph's pytree specs warns of its own deprecated LeafSpec
+                warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
                 pipe = pipeline(self.model, mb_args=microbatch,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as e:  # export's message is generic; the model's own error is in the chain
