@@ -257,23 +257,24 @@ def step_with_an_injected_read(model, opt, job: Job, dp_idx: int) -> list:
     """The host reads of one more step in which gradsched's label count reads its value with .item()
     (tests/test_host_reads.py: the recorder must see it, with its line)."""
     from gradsched.training import loss_weights
-    labelled = loss_weights.labelled
+    labelled = loss_weights.micro_batch_counts
 
-    def reading(target, ignore_index):
-        n = labelled(target, ignore_index)
+    def reading(targets, m, ignore_index):
+        counts = labelled(targets, m, ignore_index)
+        n = counts.sum()
         n.item()  # the injected read
-        return n
+        return counts
     x, y = batch(job, job.steps)
     per_rank = job.global_batch // job.dp
     sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
-    loss_weights.labelled = reading
+    loss_weights.micro_batch_counts = reading
     try:
         with recording(True) as seen:
             model.train_step(x[sl], y[sl])
             opt.step()
             opt.zero_grad()
     finally:
-        loss_weights.labelled = labelled
+        loss_weights.micro_batch_counts = labelled
     return [r.text() for r in seen.unexpected()]
 
 

@@ -68,6 +68,7 @@ class ParallelModel:
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
                            self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
+        self._weights = None  # the last stage's micro-batch loss weights, per step (loss_weights.StepWeights)
         self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self._replicas_equal = False
         if plan.pp == 1:
@@ -186,7 +187,7 @@ class ParallelModel:
         device = next(self.module.parameters()).device  # the stage runs where its weights are
         self.schedule = pipeline_schedule(self.schedule_name, self.module, self.stage_module, self.plan, self.grad_sync,
                                           self.options.microbatches, device,
-                                          lambda out, target: self._weighted_loss(out, target), self.timeline)
+                                          self._weighted_loss, self.timeline)
 
     def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
@@ -220,14 +221,14 @@ class ParallelModel:
             self._check_same_shapes(inputs, targets)
         last_stage = self.plan.stage == self.plan.pp - 1
         if last_stage:
-            self._total = self._global_count(targets)
+            self._weights = self._step_weights(targets, m)
         if self.plan.pp == 1:
             self._init = materialize(self.stage_module, inputs[0].device, self._init)
             self._make_replicas_equal()
             losses = []
             for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
                 with self._stage_errors():
-                    loss = self._weighted_loss(self.module(*x), y)
+                    loss = self._weighted_loss(self.module(*x), y, i)
                     losses.append(loss.detach())
                     if i == m - 1:  # the step's loss reduced while the last backward runs
                         step_loss = self._step_loss(losses)
@@ -276,23 +277,33 @@ class ParallelModel:
                 "length the same every step (pad sequences to one length), or train with pp=1.")
 
     # ---- the loss of the global batch (gradsched.training.loss_weights) ------------------------------
-    def _global_count(self, targets) -> torch.Tensor | None:
-        """Labelled tokens of the global batch (None with average=False: nothing is weighted)."""
-        return loss_weights.global_count(targets, self.plan, self.ignore_index) if self.options.average else None
+    def _step_weights(self, targets, m: int):
+        """The step's micro-batch weights, the global count's all-reduce issued (None with average=False:
+        nothing is weighted)."""
+        if not self.options.average:
+            return None
+        counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
+        self._mb_target_shape = targets.chunk(m)[0].shape
+        return loss_weights.StepWeights(counts, loss_weights.global_count(counts, self.plan), self.plan)
 
-    def _weighted_loss(self, out, target):
-        """A micro-batch's share of the step's loss, from its own targets (no call counting: pipelining
-        computes one extra loss on its first step)."""
-        if self._total is None:
+    def _weighted_loss(self, out, target, index: int | None = None):
+        """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
+        extra loss on its first step, on empty tensors: counted from its own targets)."""
+        if self._weights is None:
             return self.loss_fn(out, target)
-        self._total = loss_weights.settled(self._total)
-        return loss_weights.weighted(self.loss_fn, out, target, self._total, self.plan, self.ignore_index)
+        if index is None or target.shape != self._mb_target_shape:
+            w = self._weights
+            w.total = loss_weights.settled(w.total)
+            return loss_weights.weighted(self.loss_fn, out, target, w.total, self.plan, self.ignore_index)
+        keep, weight = self._weights(index)
+        return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
     def _step_loss(self, losses):
         """The step's loss over the global batch, issued (a function that waits for it: see
         loss_weights.global_loss). Its micro-batches' losses are checked once, through this rank's share of it
         (non-finite exactly when one of them is, or, averaging, when the global batch has no labelled token)."""
-        share = loss_weights.step_share(losses, self.plan, self.options.average, self._total)
+        total = loss_weights.settled(self._weights.total) if self._weights is not None else None
+        share = loss_weights.step_share(losses, self.plan, self.options.average, total)
         self.grad_sync.nonfinite.observe(nonfinite.LOSS, share)
         return loss_weights.global_loss(share, self.plan)
 

@@ -57,16 +57,15 @@ class StepFlags:
         # no torch.no_grad() around it: its enter and exit cost twice the ops below; detach() keeps them off the tape
         if self._paused:
             return
-        ts = [t for t in torch.utils._pytree.tree_leaves(tensors)
-              if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
+        leaves = (tensors,) if isinstance(tensors, torch.Tensor) else torch.utils._pytree.tree_leaves(tensors)
+        ts = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
         if not ts:
             return
         # the largest and the smallest element seen, per kind: one of them is non-finite exactly when some element
         # was (NaN propagates through max and min, neither can overflow); one fused pass a tensor (aminmax: 25x
         # faster than an inf-norm on a CPU), no temporary copy, maxed and mined into the step's slots: tested once
         # a step (bad), never read here
-        flags = self._flags(ts[0].device)
-        high, low = flags[0, kind - 1:kind], flags[1, kind - 1:kind]
+        high, low = self._slots(ts[0].device)[kind - 1]
         for t in ts:
             least, most = torch.aminmax(t.detach())
             torch.maximum(high, most, out=high)
@@ -79,7 +78,13 @@ class StepFlags:
     def _flags(self, device) -> torch.Tensor:
         if self.flags is None:
             self.flags = torch.zeros(2, SLOTS - 1, dtype=torch.float64, device=device)
+            # each kind's (largest, smallest) slot as 1-element views, made once a step (two ops an observation)
+            self.slots = list(zip(self.flags[0].split(1), self.flags[1].split(1)))
         return self.flags
+
+    def _slots(self, device) -> list:
+        self._flags(device)
+        return self.slots
 
     def reset(self) -> None:
         self.flags, self.agreed = None, None

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 INTERVAL_S = 0.5  # heartbeat period
 DEAD_AFTER_S = 10.0  # a beat that has not moved for this long (20 beats): the rank stopped answering
+HOST_CHECK_S = 1.0  # the store's host process is looked at no more often than this
 
 
 def host_identity() -> str:
@@ -172,7 +173,14 @@ class HostWatchedStore:
             self.known["host"] = json.loads(self._store.get(STORE_HOST))
 
     def host_gone(self) -> bool:
-        return "host" in self.known and process_gone(self.known["host"])
+        # looked at no more than every HOST_CHECK_S: a look is a signal and a /proc read, and the main thread
+        # goes through here for every store call it makes
+        now = time.monotonic()
+        if "host" in self.known and now - self.known.get("host_seen", -HOST_CHECK_S) >= HOST_CHECK_S:
+            if process_gone(self.known["host"]):
+                return True
+            self.known["host_seen"] = now
+        return False
 
     def __getattr__(self, name):
         attr = getattr(self._store, name)

@@ -24,17 +24,42 @@ def labelled(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return (target != ignore_index).sum().to(torch.float64)
 
 
-def global_count(targets: torch.Tensor, plan: ParallelPlan, ignore_index: int) -> torch.Tensor:
-    """Labelled tokens of the global batch: this rank's, summed over the last stage's gradient group.
-    Never read on the host: a global batch with none makes the step's loss NaN (as in one process),
-    which the step's non-finite check reports."""
-    total = labelled(targets, ignore_index)
+def micro_batch_counts(targets: torch.Tensor, m: int, ignore_index: int) -> torch.Tensor:
+    """[m] float64: the scored elements of each of `targets.chunk(m)` (the step's micro-batches), in one pass
+    over the step's targets (a count per micro-batch cost three ops each; no device sync)."""
+    if targets.dtype.is_floating_point:  # a regression target: every element is scored
+        return torch.full((m,), float(targets.numel() // m), dtype=torch.float64, device=targets.device)
+    return (targets != ignore_index).reshape(m, -1).sum(1, dtype=torch.float64)
+
+
+def global_count(counts: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
+    """Labelled tokens of the global batch: this rank's (`counts`, per micro-batch), summed over the last stage's
+    gradient group. Never read on the host: a global batch with none makes the step's loss NaN (as in one
+    process), which the step's non-finite check reports."""
+    total = counts.sum()
     if len(plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
         pg = plan.process_group("grad")
         # issued, not waited for: the first micro-batch's loss weight waits, its forward overlapping it
         with JOURNAL.entry("the global batch's labelled-token count", "collective", pg, "all_reduce", 1, total.dtype):
             total = funcol.all_reduce(total, "sum", pg)
     return total
+
+
+class StepWeights:
+    """Each micro-batch's (keep, weight) for `gated`, computed for the whole step at its first use (the global
+    count waited for then): its labelled count's share of the global batch's `total`, times the gradient group's
+    size (its reduction divides by it), in float64."""
+
+    def __init__(self, counts: torch.Tensor, total: torch.Tensor, plan: ParallelPlan):
+        self.counts, self.total, self.group = counts, total, len(plan.group_ranks("grad"))
+        self.parts = None
+
+    def __call__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.parts is None:
+            self.total = settled(self.total)
+            # n <= total: where keep, total > 0
+            self.parts = list(zip((self.counts > 0).unbind(), (self.counts * self.group / self.total).unbind()))
+        return self.parts[i]
 
 
 def settled(total: torch.Tensor) -> torch.Tensor:
@@ -60,16 +85,20 @@ class _GradientUnless(torch.autograd.Function):
 
 
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
-    """A micro-batch's share of the step's loss. Branch-free: a micro-batch whose targets are all ignore_index
-    contributes exact zeros, decided on the device. Nothing here reads or checks values: the step observes its
-    losses for non-finite values once, at its end (a weighted loss is non-finite exactly where its loss is and
-    it has labelled tokens)."""
+    """A micro-batch's share of the step's loss, counted from its own targets (`StepWeights` counts a step's at
+    once)."""
     n = labelled(target, ignore_index)
-    keep = n > 0  # never read on the host
+    return gated(loss_fn, out, target, n > 0, n * len(plan.group_ranks("grad")) / total)
+
+
+def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
+    """loss_fn(out, target) times `weight` where `keep`, else exact zeros, forward and backward. Branch-free: a
+    micro-batch whose targets are all ignore_index contributes exact zeros, decided on the device. Nothing here
+    reads or checks values: the step observes its losses for non-finite values once, at its end (a weighted loss
+    is non-finite exactly where its loss is and it has labelled tokens)."""
     gate = lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
-    gated = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
-    weight = n * len(plan.group_ranks("grad")) / total  # n <= total: where keep, total > 0
-    loss = loss_fn(gated, target)  # 0/0 on an empty micro-batch: the where gives exact zero instead
+    gated_out = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
+    loss = loss_fn(gated_out, target)  # 0/0 on an empty micro-batch: the where gives exact zero instead
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
