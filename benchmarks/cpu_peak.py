@@ -96,8 +96,9 @@ def build() -> ctypes.CDLL:
         with open(src, "w") as f:
             f.write(_SOURCE)
         tmp = f"{so}.{os.getpid()}"  # ranks building at once each write their own, then one rename wins
-        subprocess.run(["c++", "-O2", "-std=c++17", "-shared", "-fPIC", "-D_GLIBCXX_USE_CXX11_ABI="
-                        f"{int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{os.path.join(os.path.dirname(torch.__file__), 'include')}",
+        include = os.path.join(os.path.dirname(torch.__file__), "include")
+        subprocess.run(["c++", "-O2", "-std=c++17", "-shared", "-fPIC",
+                        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", f"-I{include}",
                         src, f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}", "-o", tmp], check=True)
         os.replace(tmp, so)
     ext = ctypes.CDLL(so)

@@ -43,9 +43,10 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
 from gradsched.hf import LLAMA, from_config, llama
+from gradsched.sizing import args as cli_args
 from gradsched.sizing.accounting import account, by_group, held_bytes, verdict
 from gradsched.sizing.device_attention import DEVICES, priced_as
-from gradsched.sizing.report import describe, parse_bytes, size
+from gradsched.sizing.report import count, describe, parse_bytes, size
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
 from gradsched.training.pipeline_schedule import SCHEDULES, SPLIT_BACKWARD, resolve_schedule, schedule_order
 
@@ -249,8 +250,7 @@ def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=cli_args.HelpFormatter)
     ap.add_argument("--model", default="llama-8b", choices=sorted(LLAMA), help="a built-in shape (no weights)")
     which = ap.add_mutually_exclusive_group()
     which.add_argument("--config", default=None, help="instead: a Hugging Face config.json (or its directory); any "
@@ -273,7 +273,8 @@ def main(argv=None) -> int:
                     "each stage holds depends on the order of its forwards and backwards (zb1p: B and W apart)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     ap.add_argument("--tie", action="store_true", help="tie the LM head to the embedding (across stages)")
-    ap.add_argument("--checkpointing", action="store_true", help="HF's gradient_checkpointing_enable()")
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="activation checkpointing: HF's activation_checkpointing_enable()")
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--device", default="cuda", choices=DEVICES, help="whose kernels to price: attention as that "
                     "device runs it (cuda: flash or memory-efficient, O(S) saved state), cuBLAS workspaces on cuda")
@@ -288,6 +289,7 @@ def main(argv=None) -> int:
     ap.add_argument("--flops", type=float, default=4e14, help="--fit: a rank's FLOP/s, for the ranking")
     ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
     args = ap.parse_args(argv)
+    cli_args.check(ap, args)
     if args.fit:
         from gradsched.sizing.fit_run import fit_main
         dtype = getattr(torch, args.dtype)
@@ -297,13 +299,17 @@ def main(argv=None) -> int:
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
     name, split_points = args.module or args.config or args.model, None
-    if args.module:
-        model, split_points = from_module(args.module, dtype)
-        layers = None
-    elif args.config:
-        model, layers = from_config(args.config, dtype, tie=args.tie, checkpointing=args.checkpointing)
-    else:
-        model, layers = llama(args.model, dtype, tie=args.tie, checkpointing=args.checkpointing)
+    try:
+        if args.module:
+            model, split_points = from_module(args.module, dtype)
+            layers = None
+        elif args.config:
+            model, layers = from_config(args.config, dtype, tie=args.tie, checkpointing=args.checkpointing)
+        else:
+            model, layers = llama(args.model, dtype, tie=args.tie, checkpointing=args.checkpointing)
+    except (ImportError, AttributeError, ValueError, KeyError, TypeError, RuntimeError) as e:  # the user's model
+        flag = f"--module {args.module}" if args.module else f"--config {args.config}" if args.config else args.model
+        raise SystemExit(f"{flag}: the model could not be built: {type(e).__name__}: {str(e).splitlines()[0]}")
     if args.split_points:
         split_points = args.split_points.split(",")
     elif split_points is None and layers is not None:
@@ -317,9 +323,10 @@ def main(argv=None) -> int:
         schedule = resolve_schedule(args.schedule, args.pp, m)
     except ValueError as e:
         raise SystemExit(f"--schedule {args.schedule} with --pp {args.pp} and {m} micro-batches: {e}") from None
-    print(f"dry run: {name} ({sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
+    print(f"dry run: {name} ({count(sum(p.numel() for p in model.parameters()))} parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
-          f"shard={shard!r}, {f'{schedule} schedule, ' if args.pp > 1 else ''}{m} micro-batches of "
+          f"shard={shard!r}, {f'{schedule} schedule, ' if args.pp > 1 else ''}"
+          f"{m} micro-batch{'es' if m > 1 else ''} of "
           f"{(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
           + (f"; each peak includes the {size(RUNTIME['nccl'])} a CUDA process holds beyond any tensor (cuBLAS's "
              "workspaces)" if args.device == "cuda" else ""), flush=True)

@@ -242,8 +242,8 @@ MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistr
 def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False, layers: int | None = None
                    ) -> tuple[CausalLM, int]:
     """(a causal LM of this transformers config on the meta device: shapes, no values, behind CausalLM; its
-    number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config. `layers`:
-    cut to that many decoder layers (the dry run's --fit measures a few)."""
+    number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config with SDPA.
+    `layers`: cut to that many decoder layers (the dry run's --fit measures a few)."""
     from transformers import AutoModelForCausalLM
     config._attn_implementation = "sdpa"
     if layers is not None:
@@ -254,7 +254,9 @@ def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False, laye
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(config).to(dtype)
     if checkpointing:
-        m.gradient_checkpointing_enable({"use_reentrant": False})
+        # transformers 5.24 renamed it (the old name warns); 5.23 has only the old one
+        enable = getattr(m, "activation_checkpointing_enable", None) or m.gradient_checkpointing_enable
+        enable({"use_reentrant": False})
     return CausalLM(m, documents=False), config.num_hidden_layers
 
 

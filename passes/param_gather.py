@@ -87,7 +87,7 @@ def gather_params(gm: fx.GraphModule, spec: GatherSpec) -> tuple[fx.GraphModule,
             src = shard
             if previous is not None:  # one bucket ahead, not more
                 # the previous bucket's first use, or (one node reads both buckets) its gathered buffer
-                before = previous[0] if order[previous[0]] < order[first] else previous[1]
+                before = previous[0] if previous[0] in order and order[previous[0]] < order[first] else previous[1]
                 src = b.after(shard, before)
             gathered = b.call(c10d.wait_tensor.default, b.call(
                 c10d.all_gather_into_tensor.default, src, spec.group_size, spec.group))
@@ -128,8 +128,9 @@ _VIEWS = {aten.view.default, aten.slice.Tensor, aten.t.default, aten.permute.def
 
 def _computed_from(node: fx.Node, order: dict) -> fx.Node:
     """The first node past `node`'s chain of views (a view is no use: the next bucket would be
-    gathered as soon as this one arrives)."""
-    while node.op == "call_function" and node.target in _VIEWS:
+    gathered as soon as this one arrives), and past a node giving several tensors (a split: its first
+    getitem), so that the result is a tensor when one follows."""
+    while node.op == "call_function" and (node.target in _VIEWS or not isinstance(node.meta.get("val"), torch.Tensor)):
         users = [u for u in node.users if u in order and u.op != "output"]
         if not users:
             break

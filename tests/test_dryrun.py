@@ -7,6 +7,7 @@ per collective against the bucket layout's arithmetic; its verdict against a lay
 reject."""
 import dataclasses
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -341,6 +342,43 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     four = dataclasses.replace(shape, layers=4)
     assert fit.price(fit.Candidate(4, 1, 1, "params", 8, True, "zb1p"), four, {(False, True, "params"): (first, last)},
                      1, 8, 2**40, 0, 1, 1).bubble == round(3 / (2 * 8 + 3), 4)  # B recomputes: twice F
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--pp", "0"], "--pp 0: give a positive number"),
+    (["--model", "llama-tiny", "--pp", "2", "--batch", "3"], "--batch 3 does not split into 2 micro-batches"),
+    (["--fit", "lots", "--gpus", "8"], "--fit lots: give a size such as 80GiB"),
+    (["--device-memory", "80G"], "--device-memory 80G: give a size"),
+    (["--config", "no/such/config.json"], "--config no/such/config.json: no such file"),
+    (["--config", "{tmp}"], "no such file in that directory"),
+    (["--config", "{tmp}/bad.json"], "not readable as JSON"),
+    (["--config", "{tmp}/untyped.json"], 'no "model_type" in it'),
+    (["--module", "dryrun_factory:tiny_gpt", "--tie"], "--module with --tie"),
+])
+def test_a_command_line_mistake_is_one_line_before_anything_is_built(argv, says, tmp_path, capsys):
+    from gradsched.dryrun import main
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "untyped.json").write_text("{}")
+    with pytest.raises(SystemExit) as exit_:
+        main([a.format(tmp=tmp_path) for a in argv])
+    assert exit_.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert says in error and "Traceback" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--module", "dryrun_factory:no_such_factory"], "--module dryrun_factory:no_such_factory: the model could "
+                                                     "not be built: AttributeError"),
+    (["--module", "no_such_package.models:f"], "ModuleNotFoundError: No module named 'no_such_package'"),
+    (["--config", "{tmp}/t5.json"], "--config {tmp}/t5.json: the model could not be built: ValueError"),
+])
+def test_a_model_that_cannot_be_built_is_one_line(argv, says, tmp_path):
+    pytest.importorskip("transformers")
+    from gradsched.dryrun import main
+    (tmp_path / "t5.json").write_text(json.dumps({"model_type": "t5", "d_model": 8, "num_layers": 1,
+                                                  "num_heads": 1, "d_kv": 8, "d_ff": 8, "vocab_size": 16}))
+    with pytest.raises(SystemExit, match=re.escape(says.format(tmp=tmp_path))):
+        main([a.format(tmp=tmp_path) for a in argv])
 
 
 def test_fit_refuses_a_module_factory_and_a_schedule_it_does_not_search_in_one_line():

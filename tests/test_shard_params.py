@@ -4,6 +4,8 @@ all-gathered in the graphs just before use; training matches one process, gradie
 The training cases run on 4 gloo processes and are checked as tests/test_option_matrix.py checks
 its rows (reduced gradients, every loss, every parameter, the verifier, tied copies bitwise equal).
 """
+import operator
+
 import pytest
 import torch
 import torch.fx as fx
@@ -100,6 +102,27 @@ def test_a_node_reading_two_buckets_first_chains_the_second_gather_to_the_first_
     gm.graph.lint()  # every node defined before it is read
     gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
     assert record.buckets == (0, 1) and gathers[0] in ancestors(gathers[1])
+
+
+def test_a_bucket_first_used_by_a_node_of_several_outputs_still_chains_the_next_gather():
+    """A split (a list of tensors) as a bucket's first use, as Gemma's graphs have: the next bucket's gather
+    follows the first tensor computed from it (it raised KeyError on a node the pass had inserted)."""
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    b = GraphBuilder(gm, FakeTensorMode())
+    x = b.placeholder("x", [2, 4], torch.float32, torch.device("cpu"))
+    ws = [b.placeholder(f"w{i}", [4, 4], torch.float32, torch.device("cpu")) for i in range(3)]
+    halves = b.call(torch.ops.aten.split.Tensor, ws[0], 2)
+    h = b.call(torch.ops.aten.mm.default, x, b.call(torch.ops.aten.cat.default, [b.call(operator.getitem, halves, 0),
+                                                                                 b.call(operator.getitem, halves, 1)]))
+    for w in ws[1:]:
+        h = b.call(torch.ops.aten.mm.default, h, w)
+    gm.graph.output((h,))
+    gm.recompile()
+    gm, record = gather_params(gm, spec(keep=True))
+    gm.graph.lint()
+    gathers = [n for n in gm.graph.nodes if n.target is c10d.all_gather_into_tensor.default]
+    first_half = next(n for n in gm.graph.nodes if n.target is operator.getitem)
+    assert record.buckets == (0, 1, 2) and first_half in ancestors(gathers[1])
 
 
 def test_parallelize_refuses_sharded_parameters_with_graph_breaks():

@@ -4,6 +4,7 @@ why: gradsched.sizing.fit's docstring."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from gradsched.sizing.fit import Candidate, End, Fitted, ModelShape, Priced, fit_points, in_flight, price
 
@@ -32,13 +33,20 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
     shifts them as it shifts rest). With zb1p candidates, the same six under zb1p with three micro-batches (End's
     zero_bubble), per checkpointing. About sixteen to twenty-eight dry runs of a few layers per class instead of one of the whole
     model per candidate."""
+    done, t0 = [0], time.perf_counter()
+    measure_one = measure
+
+    def measure(*args, **kwargs):  # noqa: F811 - counted, for the progress lines
+        done[0] += 1
+        return measure_one(*args, **kwargs)
+    say = lambda text: progress(f"{text} ({done[0]} probes so far, {time.perf_counter() - t0:.0f} s)")  # noqa: E731
     keys = probe_keys(cands)
     base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
     for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
         got = [measure(layers, seqs, 2 if cpc else 1, ckpt, "params") for layers, seqs in POINTS]
         base[(cpc, ckpt)] = tuple(End(*(fit_points(*(g[end][part] for g in got)) for part in (0, 1)))
                                   for end in (0, 1))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}")
+        say(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}")
     fits = {}
     for cpc, ckpt, shard in keys:
         if shard == "params":
@@ -49,7 +57,7 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
             fits[(cpc, False, shard)] = tuple(
                 End(*(with_own_parameters(getattr(base[(cpc, False)][e], f), t1[e][i], t2[e][i])
                       for i, f in enumerate(("saved", "rest")))) for e in (0, 1))
-            progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}")
+            say(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}")
         if ckpt:
             fits[(cpc, ckpt, shard)] = tuple(
                 End(*(moved_like(getattr(fits[(cpc, False, shard)][e], f), getattr(base[(cpc, False)][e], f),
@@ -69,7 +77,7 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
             fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest)
                                                      for b in backward[(cpc, shard)][e]))
                               for e, f in enumerate(fits[key]))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
+        say(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
     zero_bubble = {}  # (cp > 1, checkpointing, shard) -> per end, (what a B keeps for its W, the peak above)
     for cpc, ckpt, shard in sorted({(c.cp > 1, c.checkpointing, c.shard) for c in cands if c.schedule == "zb1p"},
                                    key=repr):
@@ -93,7 +101,7 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
         fits[(cpc, ckpt, shard)] = tuple(dataclasses.replace(f, stash=zero_bubble[(cpc, ckpt, shard)][e][0],
                                                              zero_bubble=zero_bubble[(cpc, ckpt, shard)][e][1])
                                          for e, f in enumerate(fits[(cpc, ckpt, shard)]))
-        progress(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}, shard={shard!r}, zb1p")
+        say(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}, shard={shard!r}, zb1p")
     priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
     return sorted(priced, key=lambda p: (not p.fits, p.step_s))
 

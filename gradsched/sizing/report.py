@@ -9,6 +9,14 @@ def parse_bytes(text: str) -> int:
     return int(float(t[:-len(unit)] if unit else t) * (units[unit] if unit else 1))
 
 
+def count(n: int) -> str:
+    """2.87M, 8.03B: a parameter count in three significant digits."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
 def size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
