@@ -229,6 +229,13 @@ def tiny_gemma3(vocab=64, seq=64, dim=32, layers=2, heads=4, window=16):
                  layer_types=["sliding_attention", "full_attention"] * (layers // 2))
 
 
+def tiny_gemma(vocab=64, seq=64, dim=32, layers=2, heads=4):
+    """A tiny random Gemma (v1: embeddings scaled by sqrt(dim), norms as 1 + weight, one KV head)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return _tiny(GemmaConfig, GemmaForCausalLM, vocab=vocab, seq=seq, dim=dim, layers=layers, heads=heads,
+                 kv_heads=1, head_dim=dim // heads)
+
+
 def tiny_llama_documents(vocab=64, seq=64, dim=32, layers=2, heads=4):
     """tiny_llama reading packed documents from its position ids (CausalLM(documents=True))."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -236,7 +243,7 @@ def tiny_llama_documents(vocab=64, seq=64, dim=32, layers=2, heads=4):
 
 
 MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistral, "hf_qwen2": tiny_qwen2,
-          "hf_gemma3": tiny_gemma3, "hf_llama_documents": tiny_llama_documents}
+          "hf_gemma3": tiny_gemma3, "hf_gemma": tiny_gemma, "hf_llama_documents": tiny_llama_documents}
 
 
 def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False, layers: int | None = None
