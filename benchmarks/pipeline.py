@@ -191,7 +191,8 @@ def main() -> None:
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip pipelining's own ZB-H1")
     ap.add_argument("--plot", default="", help="write one step's timeline per schedule to this PNG")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
+                    "pipeline_pp{pp}_m{microbatches}.jsonl")
     a = ap.parse_args()
     if "1f1b" not in a.schedules:
         ap.error("--schedules must include 1f1b: every ratio is to it")
@@ -214,7 +215,7 @@ def main() -> None:
     base = next(r["step_ms_median"] for r in rows if r["schedule"] == "1f1b")
     for r in rows:
         r["step_vs_1f1b"] = round(r["step_ms_median"] / base, 3)
-    emit(rows, a.out or RESULTS / f"pipeline_pp{a.pp}_m{a.microbatches}.jsonl")
+    emit(rows, a.out if a.out is not None else RESULTS / f"pipeline_pp{a.pp}_m{a.microbatches}.jsonl")
     if a.plot:
         plot(results, a.pp, a.plot)
 

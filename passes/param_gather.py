@@ -7,8 +7,9 @@ appended after the existing ones in first-use order (`GatherRecord.buckets`), is
 shard; one all-gather per bucket, over the data-parallel group, rebuilds the bucket.
 
 Prefetch, one bucket ahead: bucket k+1's gather reads its shard through a zero made from the
-first value computed from bucket k past its views (x - 0.0, bit for bit; from bucket k's gathered buffer when one
-node is the first use of both), so no scheduler can issue it earlier,
+first value computed from bucket k past its views and past a node of several outputs (a split: its first
+getitem) (x - 0.0, bit for bit; from bucket k's gathered buffer when one node is the first use of both, or
+when nothing computed follows), so no scheduler can issue it earlier,
 and at most two buckets are gathered ahead of their use; bucket 0's is issued first. A gathered
 buffer dies after its last use in the graph (Inductor frees it then); `GatherRecord.kept` names
 the graph outputs that keep one alive past the graph (a forward graph saving a parameter's view

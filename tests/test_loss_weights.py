@@ -38,3 +38,15 @@ def test_a_labelled_micro_batch_is_its_mean_times_its_share_of_the_global_batch_
     # compared bitwise, which failed on some draws of `out`
     torch.testing.assert_close(loss.detach(), ref.detach(), rtol=1e-15, atol=0)
     torch.testing.assert_close(out.grad, ref_out.grad, rtol=1e-15, atol=0)
+
+
+def test_a_steps_weights_are_each_micro_batchs_labelled_share_counted_in_one_pass():
+    from gradsched.training.loss_weights import StepWeights, labelled, micro_batch_counts
+    targets = torch.tensor([[1, 2, -100], [-100, -100, -100], [3, -100, 4], [5, 6, 7]])  # micro-batch 1 of 4 empty
+    counts = micro_batch_counts(targets, 4, -100)
+    assert counts.tolist() == [labelled(t, -100).item() for t in targets.chunk(4)] == [2, 0, 2, 3]
+    weights = StepWeights(counts, counts.sum(), OneRank())
+    assert [(bool(keep), w.item()) for keep, w in (weights(i) for i in range(4))] == \
+        [(True, 2 / 7), (False, 0.0), (True, 2 / 7), (True, 3 / 7)]
+    two = micro_batch_counts(targets, 2, -100)  # micro-batches of two rows each
+    assert two.tolist() == [2, 5]

@@ -40,6 +40,7 @@ class StepFlags:
     def __init__(self):
         self.flags: torch.Tensor | None = None  # [2, SLOTS - 1] float64, the largest and the smallest element seen
         #                                        per kind: non-finite where that kind went so
+        self.slots: list = []  # per kind, (largest, smallest) as 1-element views of flags
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0

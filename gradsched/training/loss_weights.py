@@ -87,8 +87,8 @@ class _GradientUnless(torch.autograd.Function):
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
     """A micro-batch's share of the step's loss, counted from its own targets (`StepWeights` counts a step's at
     once)."""
-    n = labelled(target, ignore_index)
-    return gated(loss_fn, out, target, n > 0, n * len(plan.group_ranks("grad")) / total)
+    keep, weight = StepWeights(labelled(target, ignore_index).reshape(1), total, plan)(0)
+    return gated(loss_fn, out, target, keep, weight)
 
 
 def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):

@@ -91,20 +91,19 @@ def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m:
     if not split:
         stage = Stage(module, plan.stage, plan.pp, device, group=group)
         cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
-        return _indexed(cls, loss_fn)(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+        return _indexed(cls)(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     # dw_builder: the W that gradsched's backward queued (its compiled W graph), run when the schedule says
     stage = Stage(_CompiledStage(stage_module, module), plan.stage, plan.pp, device, group=group,
                   dw_builder=sync.take_w)
-    return _indexed(ScheduleInterleavedZeroBubble, loss_fn)([stage], n_microbatches=m, loss_fn=loss_fn,
-                                                            scale_grads=False)
+    return _indexed(ScheduleInterleavedZeroBubble)([stage], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
 
-def _indexed(cls, loss_fn):
-    """`cls` calling loss_fn(output, target, index) with the micro-batch's index (pipelining's own loss_fn
+def _indexed(cls):
+    """`cls` calling its loss_fn(output, target, index) with the micro-batch's index (pipelining's own loss_fn
     takes two arguments): the step's loss weights are computed once for all micro-batches."""
     class Indexed(cls):
         def _compute_loss(self, output, target, loss_kwargs=None):
-            return loss_fn(output, target, self._loss_index, **(loss_kwargs or {}))
+            return self._loss_fn(output, target, self._loss_index, **(loss_kwargs or {}))
 
         def _maybe_compute_loss(self, stage, output, target_mbs, mb_index, loss_kwargs=None):
             self._loss_index = mb_index
