@@ -71,7 +71,8 @@ def batch(job: Job, step: int):
     if job.labels == "padded":
         y = y.clone()
         for i in range(len(y)):
-            pad = min(PAD_TAIL[(i + step) % len(PAD_TAIL)], y.shape[1])
+            # a labelled count that differs from step to step (gradsched weights a step's losses by the last one's)
+            pad = min(PAD_TAIL[(i * (step + 1)) % len(PAD_TAIL)], y.shape[1])
             y[i, y.shape[1] - pad:] = -100
     return x, y
 
@@ -165,8 +166,9 @@ def reference(job: Job) -> dict:
         extra = model_inputs(job, step)
         loss = job.loss_fn(model(x, extra.get("positions"), extra.get("attention_mask")) if extra else model(x), y)
         loss.backward()
-        if step == 0:  # every name a parameter has, tied names included (one Parameter, one gradient)
-            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+        if step in (0, job.steps - 1):  # every name a parameter has, tied names included (one Parameter, one gradient)
+            last_grads = {n: p.grad.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
+            grads = grads or last_grads
         if job.clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip).item())
         opt.step()
@@ -174,7 +176,7 @@ def reference(job: Job) -> dict:
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)}
     from gradsched.sync.ties import shared_parameters
-    return {"losses": losses, "params": params, "grads": grads, "aliases": shared_parameters(model), "norms": norms,
+    return {"losses": losses, "params": params, "grads": grads, "last_grads": last_grads, "aliases": shared_parameters(model), "norms": norms,
             "state_keys": list(model.state_dict())}
 
 
@@ -206,8 +208,9 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
                 loss, code = run_and_get_code(model.train_step, x[sl], y[sl], **extra)
             else:
                 loss = model.train_step(x[sl], y[sl], **extra)
-            if step == 0:
-                grads = reduced_gradients(model.grad_sync)
+            if step in (0, job.steps - 1):
+                last_grads = reduced_gradients(model.grad_sync)
+                grads = grads or last_grads
             norm = gradsched.clip_grad_norm_(model, job.clip) if job.clip else None
             opt.step()
             opt.zero_grad()
@@ -235,7 +238,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         # what the user's model itself still holds (under pp > 1: this rank's stage, the rest released)
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),
-        "code": code, "grads": grads, "reads": reads,
+        "code": code, "grads": grads, "last_grads": last_grads, "reads": reads,
         "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
                            if n.op == "call_function"],
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},

@@ -69,6 +69,7 @@ class ParallelModel:
                            self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
         self._weights = None  # the last stage's micro-batch loss weights, per step (loss_weights.StepWeights)
+        self._scale = None  # the last stage's scale K of the next step's weights (loss_weights): a device scalar
         self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self._replicas_equal = False
         if plan.pp == 1:
@@ -226,13 +227,14 @@ class ParallelModel:
             self._init = materialize(self.stage_module, inputs[0].device, self._init)
             self._make_replicas_equal()
             losses = []
-            for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
-                with self._stage_errors():
+            with self._stage_errors():
+                for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
                     loss = self._weighted_loss(self.module(*x), y, i)
                     losses.append(loss.detach())
-                    if i == m - 1:  # the step's loss reduced while the last backward runs
-                        step_loss = self._step_loss(losses)
-                    with self.grad_sync.step_boundary(last=i == m - 1):
+                    if i < m - 1:  # autograd accumulates (GradSync's step boundary is off between steps)
+                        loss.backward()
+                        continue
+                    with self.grad_sync.step_boundary(last=True):
                         loss.backward()
         else:
             if self.module is None:
@@ -243,10 +245,9 @@ class ParallelModel:
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
                 self.schedule.step(*(inputs if first else ()), return_outputs=False,
                                    **({"target": targets, "losses": losses} if last_stage else {}))
-            step_loss = self._step_loss(losses) if last_stage else None
         with self.timeline.span("sync"):
             self.grad_sync.flush()
-        return step_loss() if last_stage else None
+        return self._end_step(losses if last_stage else None)
 
     @contextlib.contextmanager
     def _stage_errors(self):
@@ -278,13 +279,14 @@ class ParallelModel:
 
     # ---- the loss of the global batch (gradsched.training.loss_weights) ------------------------------
     def _step_weights(self, targets, m: int):
-        """The step's micro-batch weights, the global count's all-reduce issued (None with average=False:
-        nothing is weighted)."""
+        """The step's micro-batch weights, scaled by the previous step's global count (the first step all-reduces
+        its own; None with average=False: nothing is weighted)."""
         if not self.options.average:
             return None
         counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
         self._mb_target_shape = targets.chunk(m)[0].shape
-        return loss_weights.StepWeights(counts, loss_weights.global_count(counts, self.plan), self.plan)
+        scale = self._scale if self._scale is not None else loss_weights.global_count(counts, self.plan)
+        return loss_weights.StepWeights(counts, scale, self.plan)
 
     def _weighted_loss(self, out, target, index: int | None = None):
         """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
@@ -298,14 +300,28 @@ class ParallelModel:
         keep, weight = self._weights(index)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
-    def _step_loss(self, losses):
-        """The step's loss over the global batch, issued (a function that waits for it: see
-        loss_weights.global_loss). Its micro-batches' losses are checked once, through this rank's share of it
-        (non-finite exactly when one of them is, or, averaging, when the global batch has no labelled token)."""
-        total = loss_weights.settled(self._weights.total) if self._weights is not None else None
-        share = loss_weights.step_share(losses, self.plan, self.options.average, total)
-        self.grad_sync.nonfinite.observe(nonfinite.LOSS, share)
-        return loss_weights.global_loss(share, self.plan)
+    def _end_step(self, losses: list | None):
+        """The step's one reduction, at its end: every rank's non-finite flags, the last stage's labelled counts and
+        loss shares beside them (gradsched.sync.nonfinite); then the reduced gradients are scaled to the global
+        batch's mean (loss_weights). Returns the step's loss on the last stage (`losses` given), else None."""
+        sync, flags, w = self.grad_sync, self.grad_sync.nonfinite, self._weights
+        device = next(iter(sync.params.values())).device
+        if losses is not None:  # this rank's loss: checked once, through its share
+            share = loss_weights.step_share(losses, self.plan, self.options.average)
+            flags.observe(nonfinite.LOSS, share)
+            count, scale = (w.counts.sum(), loss_weights.settled(w.total)) if w is not None else (share * 0, share * 0)
+            flags.loss_row = torch.stack([count, share, scale])
+        nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
+                             what="the step's non-finite flags, labelled tokens and loss")
+        agreed = flags.agreed
+        loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
+                                                agreed[:, nonfinite.SCALE], self.options.average)
+        nonfinite.note_global_loss(sync, loss)
+        if factor is not None:
+            sync.scale_gradients(factor)
+            if w is not None:
+                self._scale = loss_weights.next_scale(w.total, agreed[:, nonfinite.COUNT])
+        return loss.float() if losses is not None else None
 
     def named_parameters(self):
         """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,

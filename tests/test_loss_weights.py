@@ -2,7 +2,7 @@
 labelled token contributes exact zeros, to the loss and to the gradients, whatever the user's loss does with 0/0."""
 import torch
 
-from gradsched.training.loss_weights import weighted
+from gradsched.training.loss_weights import gated, weighted
 
 
 class OneRank:  # what weighted() reads of the plan: a gradient group of one rank
@@ -50,3 +50,49 @@ def test_a_steps_weights_are_each_micro_batchs_labelled_share_counted_in_one_pas
         [(True, 2 / 7), (False, 0.0), (True, 2 / 7), (True, 3 / 7)]
     two = micro_batch_counts(targets, 2, -100)  # micro-batches of two rows each
     assert two.tolist() == [2, 5]
+
+
+class TwoRanks:  # a gradient group of two ranks: the reduction averages over them
+    def group_ranks(self, kind):
+        return [0, 1]
+
+
+def test_weights_scaled_by_another_steps_count_then_k_over_n_give_the_global_mean_and_its_gradient():
+    """Two data-parallel ranks, two micro-batches each (one empty), weighted by the previous step's count K (7: not
+    this step's 5); their gradients averaged (the reduction), then scaled by step_result's K / N, against one process's
+    cross-entropy over the whole batch, in fp64."""
+    from gradsched.training.loss_weights import StepWeights, micro_batch_counts, step_result, step_share
+    torch.manual_seed(0)
+    w = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(2, 2, 2, 4, dtype=torch.float64)  # [rank, row (a micro-batch each), token, feature]
+    y = torch.tensor([[[0, 1], [2, 1]], [[-100, -100], [1, -100]]])  # 4 and 1 labelled: N = 5
+    ce = lambda out, t: torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100)  # noqa
+    scale = torch.tensor(7.0, dtype=torch.float64)
+    grads, rows = [], []
+    for r in range(2):
+        counts = micro_batch_counts(y[r], 2, -100)
+        weights = StepWeights(counts, scale, TwoRanks())
+        losses = []
+        for i, (xi, yi) in enumerate(zip(x[r].chunk(2), y[r].chunk(2))):
+            keep, weight = weights(i)
+            losses.append(gated(ce, xi @ w, yi, keep, weight))
+        g, = torch.autograd.grad(sum(losses), w)
+        grads.append(g)
+        rows.append((counts.sum(), step_share(losses, TwoRanks(), True), scale))
+    counts, shares, scales = (torch.stack(c) for c in zip(*rows))
+    loss, factor = step_result(counts, shares, scales, average=True)
+    ref = ce(x.flatten(0, 1) @ w, y.flatten(0, 1))
+    ref_grad, = torch.autograd.grad(ref, w)
+    torch.testing.assert_close(loss, ref.detach(), rtol=1e-14, atol=0)
+    # fp64 rounding of different summation orders only (a wrong scale is off by 2/7 or more)
+    torch.testing.assert_close((grads[0] + grads[1]) / 2 * factor, ref_grad, rtol=1e-12, atol=1e-15)
+    assert factor.item() == 7 / 5
+
+
+def test_a_global_batch_without_a_labelled_token_has_a_nan_loss_and_keeps_its_scale():
+    from gradsched.training.loss_weights import next_scale, step_result
+    zeros = torch.zeros(2, dtype=torch.float64)
+    scale = torch.tensor([7.0, 7.0], dtype=torch.float64)
+    loss, factor = step_result(zeros, zeros, scale, average=True)
+    assert loss.isnan() and factor.isinf()
+    assert next_scale(scale[0], zeros).item() == 7.0

@@ -138,7 +138,7 @@ def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
 def test_reduced_gradients_are_bad_exactly_when_an_element_is_not_finite_in_their_own_dtype():
     from types import SimpleNamespace
     def bad(*grads):
-        sync = SimpleNamespace(sync_plan=SimpleNamespace(shard=True), reduced=lambda: list(grads))
+        sync = SimpleNamespace(sync_plan=SimpleNamespace(layout=SimpleNamespace(buckets=grads)), reduced=lambda: list(grads))
         return nonfinite.reduced_gradients_bad(sync, "cpu").item()
     big = torch.finfo(torch.float64).max
     assert bad(torch.tensor([1.0, -2.0]), torch.tensor([big, -big], dtype=torch.float64)) == 0  # finite in fp64

@@ -2,7 +2,7 @@
 
 Each case trains the tiny tied GPT on 4 gloo processes and compares, against the
 unsplit model trained in one process on the whole global batch:
-  - the reduced gradients of the first step (each rank's shard against the matching
+  - the reduced gradients of the first and the last step (each rank's shard against the matching
     slice of the reference's .grad, or the full .grad under shard=False), relative to
     the largest reference gradient: scale errors (a sum for a mean, 1/microbatches
     twice, a tie counted twice) show here, where AdamW's parameters hide them;
@@ -118,6 +118,9 @@ def assert_like_one_process(job_, ranks):
     assert not errors, errors[0]
     ref = reference(job_)
     assert gradient_error(ref, ranks) < GRAD_TOL
+    # the last step's too: its labelled count differs from the step before's, whose count scaled its weights
+    last = gradient_error({"grads": ref["last_grads"]}, [{**r, "grads": r["last_grads"]} for r in ranks])
+    assert last < GRAD_TOL, last
     cmp = compare(ref, ranks)
     assert cmp["missing"] == [] and cmp["uncovered"] == []
     assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]

@@ -2,9 +2,11 @@
 
 During a step each rank notes on the device, never reading it, whether what it produced went non-finite:
 its stage's forward output (what it sends on), its loss, its stage's input gradients (what it sends back)
-and, at the step's end, its reduced gradients. One all-reduce over every rank of the plan carries these
-flags (SLOTS numbers a rank; clip_grad_norm_ puts its partial norm in front, so the two share one
-reduction), and one host read in the optimizer's step decides, the same on every rank: raise
+and, at the step's end, its reduced gradients. One all-gather over every rank of the plan carries every
+rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
+norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows,
+so the step's loss and the global count need no collective of their own (gradsched.training.loss_weights). One
+host read in the optimizer's step decides, the same on every rank: raise
 NonFiniteError naming where the values first went non-finite (on_nonfinite="raise"), or skip the step
 and leave the optimizer's state untouched ("skip").
 
@@ -24,7 +26,9 @@ from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 
 FORWARD, LOSS, BACKWARD, GRADS = 1, 2, 3, 4  # a rank's slots; slot 0 holds its stage + 1
-SLOTS = 5
+KINDS = (FORWARD, LOSS, BACKWARD, GRADS)
+COUNT, SHARE, SCALE = 5, 6, 7  # a rank's loss (the last stage's): labelled count, share, scale (training.loss_weights)
+SLOTS = 8
 WHAT = {FORWARD: "its stage's forward output (the activations it sends to the next stage)",
         LOSS: "its loss", BACKWARD: "its stage's input gradients (what it sends to the previous stage)",
         GRADS: "its reduced gradients"}
@@ -38,9 +42,10 @@ class StepFlags:
     """This rank's observations during one step, on the device (no host read)."""
 
     def __init__(self):
-        self.flags: torch.Tensor | None = None  # [2, SLOTS - 1] float64, the largest and the smallest element seen
+        self.flags: torch.Tensor | None = None  # [2, len(KINDS)] float64, the largest and the smallest element seen
         #                                        per kind: non-finite where that kind went so
         self.slots: list = []  # per kind, (largest, smallest) as 1-element views of flags
+        self.loss_row: torch.Tensor | None = None  # [3] float64: this rank's COUNT, SHARE and SCALE, if it has a loss
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0
@@ -73,12 +78,12 @@ class StepFlags:
             torch.minimum(low, least, out=low)
 
     def bad(self, device) -> torch.Tensor:
-        """[SLOTS - 1] float64: 1 where that kind went non-finite this step, else 0."""
+        """[len(KINDS)] float64: 1 where that kind went non-finite this step, else 0."""
         return (~torch.isfinite(self._flags(device))).any(0).to(torch.float64)
 
     def _flags(self, device) -> torch.Tensor:
         if self.flags is None:
-            self.flags = torch.zeros(2, SLOTS - 1, dtype=torch.float64, device=device)
+            self.flags = torch.zeros(2, len(KINDS), dtype=torch.float64, device=device)
             # each kind's (largest, smallest) slot as 1-element views, made once a step (two ops an observation)
             self.slots = list(zip(self.flags[0].split(1), self.flags[1].split(1)))
         return self.flags
@@ -88,26 +93,28 @@ class StepFlags:
         return self.slots
 
     def reset(self) -> None:
-        self.flags, self.agreed = None, None
+        self.flags, self.agreed, self.loss_row = None, None, None
 
 
-def local_vector(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
-    """[world * SLOTS] zeros but this rank's row: its stage + 1 and its flags (grads_bad: its reduced
+def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
+    """[SLOTS] float64, this rank's row: its stage + 1, its flags and its loss row (grads_bad: its reduced
     gradients' flag, when the caller computed it already, e.g. from a partial norm)."""
     setup, flags = sync.setup, sync.nonfinite
     if grads_bad is None:
         grads_bad = reduced_gradients_bad(sync, device)
-    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), flags.bad(device)])
+    loss = flags.loss_row if flags.loss_row is not None else torch.zeros(3, dtype=torch.float64, device=device)
+    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), flags.bad(device),
+                     loss.to(device)])
     row[GRADS] = torch.maximum(row[GRADS], grads_bad.to(torch.float64))
-    out = torch.zeros(len(setup.all_ranks.ranks), SLOTS, dtype=torch.float64, device=device)
-    out[setup.all_ranks.index] = row
-    return out.reshape(-1)
+    return row
 
 
 @torch.no_grad()
 def reduced_gradients_bad(sync, device) -> torch.Tensor:
     plan = sync.sync_plan
-    grads = sync.reduced() if plan.shard else [p.grad for p in sync.params.values() if p.grad is not None]
+    grads = sync.reduced()  # shards, or whole buckets (shard=False): a few tensors, not one a parameter
+    if len(grads) != len(plan.layout.buckets):
+        grads = [p.grad for p in sync.params.values() if p.grad is not None]
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
@@ -120,18 +127,49 @@ def reduced_gradients_bad(sync, device) -> torch.Tensor:
 
 def agree(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
           grads_bad: torch.Tensor | None = None) -> torch.Tensor:
-    """All-reduce `prefix` (e.g. clip_grad_norm_'s partial norm) with every rank's flags over every rank of
-    the plan, in one collective; keep the flags for the optimizer's step and return the reduced prefix.
-    `op` is the prefix's (SUM or MAX); every rank's row has one writer, so either leaves the flags whole."""
-    setup = sync.setup
-    vec = torch.cat([prefix.reshape(-1).to(torch.float64), local_vector(sync, grads_bad, prefix.device)])
-    if len(setup.all_ranks.ranks) > 1:
-        pg = process_group(setup.all_ranks)
-        with JOURNAL.entry(what, "collective", pg, "all_reduce", vec.numel(), vec.dtype):
-            dist.all_reduce(vec, op=op, group=pg)
+    """`prefix` (e.g. clip_grad_norm_'s partial norm) reduced by `op` (SUM or MAX) over every rank of the plan,
+    with every rank's flags beside it unless this step's are agreed already (`agree_step`), in one collective."""
+    if sync.nonfinite.agreed is not None:  # ParallelModel.train_step agreed them at its end: the prefix alone
+        return _combine(_gathered(sync, prefix.reshape(-1).to(torch.float64), what), op).reshape(prefix.shape)
+    return agree_step(sync, prefix, op, what, grads_bad)
+
+
+def agree_step(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
+               grads_bad: torch.Tensor | None = None) -> torch.Tensor:
+    """`agree` with this rank's flags (and loss row) always: keeps every rank's row for the optimizer's step."""
     n = prefix.numel()
-    sync.nonfinite.agreed = vec[n:].reshape(len(setup.all_ranks.ranks), SLOTS)
-    return vec[:n].reshape(prefix.shape)
+    rows = _gathered(sync, torch.cat([prefix.reshape(-1).to(torch.float64), local_row(sync, grads_bad, prefix.device)]),
+                     what)
+    sync.nonfinite.agreed = rows[:, n:]
+    return _combine(rows[:, :n], op).reshape(prefix.shape)
+
+
+def _gathered(sync, row: torch.Tensor, what: str) -> torch.Tensor:
+    """[world, len(row)]: every rank's `row`, in rank order. An all-gather: every rank reads every row (the
+    non-finite origin's search needs them), and for a few numbers gloo's all-gather took a quarter of its
+    all-reduce's time (0.32 against 1.37 ms between two processes here)."""
+    world = len(sync.setup.all_ranks.ranks)
+    if world == 1:
+        return row.reshape(1, -1)
+    out = row.new_empty(world * row.numel())
+    pg = process_group(sync.setup.all_ranks)
+    with JOURNAL.entry(what, "collective", pg, "all_gather", out.numel(), out.dtype):
+        dist.all_gather_into_tensor(out, row, group=pg)
+    return out.reshape(world, -1)
+
+
+def _combine(rows: torch.Tensor, op) -> torch.Tensor:
+    """The gathered prefixes reduced in rank order, the same on every rank."""
+    return rows.amax(0) if op == dist.ReduceOp.MAX else rows.sum(0)
+
+
+def note_global_loss(sync, loss: torch.Tensor) -> None:
+    """The step's loss, from the agreed rows, non-finite (a global batch without a labelled token: 0/0): the
+    last stage's ranks are marked as having gone non-finite in their loss, on the device."""
+    agreed = sync.nonfinite.agreed
+    last = agreed[:, 0] == agreed[:, 0].max()
+    bad = (~torch.isfinite(loss)).to(torch.float64)
+    agreed[:, LOSS] = torch.where(last, torch.maximum(agreed[:, LOSS], bad), agreed[:, LOSS])
 
 
 def check(sync, on_nonfinite: str) -> bool:
@@ -141,12 +179,12 @@ def check(sync, on_nonfinite: str) -> bool:
     flags.step += 1
     if flags.agreed is None:  # no clipping this step: the flags' own reduction
         device = next(iter(sync.params.values())).device
-        agree(sync, torch.zeros(0, dtype=torch.float64, device=device))
+        agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device))
     agreed = flags.agreed
     flags.reset()
     if agreed.is_meta:  # the dry run (gradsched.dryrun): the reduction is priced, no value is read
         return True
-    bad = bool((agreed[:, 1:] > 0).any())  # the step's one host read of a device value
+    bad = bool((agreed[:, FORWARD:GRADS + 1] > 0).any())  # the step's one host read of a device value
     agreement.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if not bad:
         return True
@@ -157,7 +195,7 @@ def check(sync, on_nonfinite: str) -> bool:
 
 def describe(agreed: torch.Tensor, step: int) -> str:
     """Where the values went non-finite first (see the module's docstring), from every rank's row."""
-    rows = {r: (int(agreed[r, 0]) - 1, {k for k in range(1, SLOTS) if agreed[r, k] > 0}) for r in range(len(agreed))}
+    rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] > 0}) for r in range(len(agreed))}
     bad = {r: (s, kinds) for r, (s, kinds) in rows.items() if kinds}
     origin = None
     for kind, key in ((FORWARD, lambda r: (bad[r][0], r)), (LOSS, lambda r: r),

@@ -46,13 +46,14 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
         for g in grads:
             local = torch.maximum(local, g.double().abs().max()) if g.numel() else local
         op = dist.ReduceOp.MAX
-    # one reduction for the norm and the step's non-finite flags: a non-finite gradient makes this
-    # rank's partial norm non-finite, so it needs no pass of its own (gradsched.sync.nonfinite)
+    # the norm alone after a train_step (its end agreed the flags); else (the backend by name) one collective for
+    # the norm and the step's non-finite flags: a non-finite gradient makes this rank's partial norm non-finite,
+    # so it needs no pass of its own (gradsched.sync.nonfinite)
     local = agree(sync, local, op, "clip_grad_norm_'s global norm and the step's non-finite flags",
                   grads_bad=~torch.isfinite(local))
     total = (local.sqrt() if norm_type == 2.0 else local).float()
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
-    for g in _scaled_tensors(sync, plan):
+    for g in sync.gradients():
         g.mul_(coef.to(g.dtype))
     return total
 
@@ -70,9 +71,3 @@ def _this_steps_gradients(sync, plan, counted: set) -> list[torch.Tensor]:
     if plan.grad_group.index != 0:  # every rank of the group holds the same reduced gradients
         return []
     return [sync.params[n].grad for n in sorted(counted) if sync.params[n].grad is not None]
-
-
-def _scaled_tensors(sync, plan) -> list[torch.Tensor]:
-    if plan.shard:
-        return sync.reduced()
-    return [p.grad for p in sync.params.values() if p.grad is not None]

@@ -2,11 +2,17 @@
 
 A rank sees only its share of the batch (dp), of each sequence (cp) and of each micro-batch.
 Averaging the ranks' own means is wrong as soon as they hold different numbers of labelled tokens
-(ignore_index, padding). With average=True, each micro-batch's mean loss is weighted by its
-labelled tokens over the global batch's, times the gradient group size (the reduction divides by
-it): the step's gradient is exactly that of the mean over all labelled tokens of the global batch,
-as in one process. With average=False, loss_fn is taken as a sum and summed, over micro-batches
-and ranks alike.
+(ignore_index, padding). With average=True the step's gradient is exactly that of the mean over all
+labelled tokens of the global batch, as in one process, and nothing waits for a count before the
+backward:
+  - micro-batch i's mean loss is weighted by n_i * G / K: its labelled tokens n_i, the gradient group's
+    size G (the reduction divides by it) and a scale K the same on every rank: the previous step's
+    global count (the first step all-reduces its own, once);
+  - the reduced gradients are then (N / K) times the global mean's, N this step's global count. N
+    rides in the step's one reduction of the non-finite flags (gradsched.sync.nonfinite), each rank's
+    count and loss share in its row, and the gradients are scaled by K / N on the device
+    (`step_result`). With a steady count (no padding) K / N is exactly 1.
+With average=False, loss_fn is taken as a sum and summed, over micro-batches and ranks alike.
 """
 from __future__ import annotations
 
@@ -34,8 +40,8 @@ def micro_batch_counts(targets: torch.Tensor, m: int, ignore_index: int) -> torc
 
 def global_count(counts: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
     """Labelled tokens of the global batch: this rank's (`counts`, per micro-batch), summed over the last stage's
-    gradient group. Never read on the host: a global batch with none makes the step's loss NaN (as in one
-    process), which the step's non-finite check reports."""
+    gradient group: the first step's scale K (later steps take the previous step's count, reduced with the
+    flags). Never read on the host."""
     total = counts.sum()
     if len(plan.group_ranks("grad")) > 1:  # the last stage's gradient group holds the global batch
         pg = plan.process_group("grad")
@@ -46,8 +52,8 @@ def global_count(counts: torch.Tensor, plan: ParallelPlan) -> torch.Tensor:
 
 
 class StepWeights:
-    """Each micro-batch's (keep, weight) for `gated`, computed for the whole step at its first use (the global
-    count waited for then): its labelled count's share of the global batch's `total`, times the gradient group's
+    """Each micro-batch's (keep, weight) for `gated`, computed for the whole step at its first use (the first
+    step's count waited for then): its labelled count over the scale `total` (K), times the gradient group's
     size (its reduction divides by it), in float64."""
 
     def __init__(self, counts: torch.Tensor, total: torch.Tensor, plan: ParallelPlan):
@@ -57,7 +63,7 @@ class StepWeights:
     def __call__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.parts is None:
             self.total = settled(self.total)
-            # n <= total: where keep, total > 0
+            # total >= 1 (a count, at least one)
             self.parts = list(zip((self.counts > 0).unbind(), (self.counts * self.group / self.total).unbind()))
         return self.parts[i]
 
@@ -102,25 +108,26 @@ def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
-def step_share(losses: list, plan: ParallelPlan, average: bool, total: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's share of the step's loss over the global batch (mean over labelled tokens, or sum), from
-    its micro-batch losses, in float64. `total` (with average): the global batch's labelled tokens; none makes
-    the share NaN, as the mean over nothing is in one process. So the share is non-finite exactly when one of
-    the losses is, or there is no mean: the step's one check of its losses."""
+def step_share(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor:
+    """This rank's share of the step's loss, from its (weighted) micro-batch losses, in float64: times K / N
+    (`step_result`) and summed over the ranks, the mean over the global batch's labelled tokens (or the sum).
+    Non-finite exactly when one of the losses is: the step's one check of its losses."""
     loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
-    if average:
-        loss = loss / len(plan.group_ranks("grad"))
-    if total is not None:  # the global count, the same on every rank: a NaN here is a NaN in the sum
-        loss = torch.where(total > 0, loss, torch.full_like(loss, float("nan")))
-    return loss
+    return loss / len(plan.group_ranks("grad")) if average else loss
 
 
-def global_loss(share: torch.Tensor, plan: ParallelPlan):
-    """The step's loss, the same on every rank of the last stage: the shares summed over the gradient group.
-    Its all-reduce is issued here and not waited for (at pp = 1 the last micro-batch's backward runs
-    meanwhile): returns a function that gives the loss, waiting for it."""
-    if len(plan.group_ranks("grad")) > 1:
-        pg = plan.process_group("grad")
-        with JOURNAL.entry("the step's loss over the global batch", "collective", pg, "all_reduce", 1, share.dtype):
-            share = funcol.all_reduce(share, "sum", pg)
-    return lambda: settled(share).float()
+def step_result(counts: torch.Tensor, shares: torch.Tensor, scales: torch.Tensor, average: bool):
+    """(the step's loss, the factor its reduced gradients need or None) from every rank's labelled count, loss
+    share and scale K after the step's reduction (rows of the ranks that compute no loss hold zeros). The loss is
+    NaN when the global batch has no labelled token (the mean over nothing, as in one process)."""
+    share = shares.sum()
+    if not average:
+        return share, None
+    factor = scales.max() / counts.sum()  # K / N: inf when N = 0, and the loss 0 * inf = NaN
+    return share * factor, factor
+
+
+def next_scale(scale: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """The next step's K: this step's global count, or K again when it had none."""
+    n = counts.sum()
+    return torch.where(n > 0, n, scale)

@@ -180,7 +180,9 @@ class DistributedOptimizer:
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none)
-        for p in self.model.parameters():
+        sync = find_sync(self.model)
+        # the trained parameters (a model's parameters() walks its modules and ties: ~0.5 ms a step here)
+        for p in (sync.params.values() if sync is not None and sync.built is not None else self.model.parameters()):
             p.grad = None
 
     def state_dict(self):
