@@ -309,8 +309,9 @@ class ParallelModel:
         if losses is not None:  # this rank's loss: checked once, through its share
             share = loss_weights.step_share(losses, self.plan, self.options.average)
             flags.observe(nonfinite.LOSS, share)
-            count, scale = (w.counts.sum(), loss_weights.settled(w.total)) if w is not None else (share * 0, share * 0)
-            flags.loss_row = torch.stack([count, share, scale])
+            zero = torch.zeros_like(share)  # average=False: no count, no scale
+            flags.loss_row = torch.stack([w.counts.sum(), share, loss_weights.settled(w.total)] if w is not None
+                                         else [zero, share, zero])
         nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
                              what="the step's non-finite flags, labelled tokens and loss")
         agreed = flags.agreed

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.sync import agreement
+from gradsched.sync.param_shards import all_gather
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 
@@ -154,7 +155,7 @@ def _gathered(sync, row: torch.Tensor, what: str) -> torch.Tensor:
     out = row.new_empty(world * row.numel())
     pg = process_group(sync.setup.all_ranks)
     with JOURNAL.entry(what, "collective", pg, "all_gather", out.numel(), out.dtype):
-        dist.all_gather_into_tensor(out, row, group=pg)
+        all_gather(out, row, pg)
     return out.reshape(world, -1)
 
 
@@ -164,11 +165,13 @@ def _combine(rows: torch.Tensor, op) -> torch.Tensor:
 
 
 def note_global_loss(sync, loss: torch.Tensor) -> None:
-    """The step's loss, from the agreed rows, non-finite (a global batch without a labelled token: 0/0): the
-    last stage's ranks are marked as having gone non-finite in their loss, on the device."""
+    """The step's loss, from the agreed rows, non-finite while every rank's own loss share is finite (a global
+    batch without a labelled token: 0/0): the last stage's ranks are marked as having gone non-finite in their
+    loss, on the device."""
     agreed = sync.nonfinite.agreed
     last = agreed[:, 0] == agreed[:, 0].max()
-    bad = (~torch.isfinite(loss)).to(torch.float64)
+    # only where no rank's own loss went non-finite: that rank is the origin, and says so already
+    bad = ((~torch.isfinite(loss)) & (agreed[:, LOSS].max() == 0)).to(torch.float64)
     agreed[:, LOSS] = torch.where(last, torch.maximum(agreed[:, LOSS], bad), agreed[:, LOSS])
 
 
