@@ -317,7 +317,7 @@ class ParallelModel:
         agreed = flags.agreed
         loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
                                                 agreed[:, nonfinite.SCALE], self.options.average)
-        nonfinite.note_global_loss(sync, loss)
+        flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
         if factor is not None:
             sync.scale_gradients(factor)
             if w is not None:

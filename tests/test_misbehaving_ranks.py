@@ -119,19 +119,14 @@ def test_non_finite_values_are_traced_to_the_lowest_stage_forward_then_the_loss_
 
 
 def test_a_nan_global_loss_blames_the_rank_whose_loss_went_bad_or_else_the_whole_last_stage():
-    from types import SimpleNamespace
-    L, nan = nonfinite.LOSS, torch.tensor(float("nan"), dtype=torch.float64)
-
-    def noted(rows):
-        sync = SimpleNamespace(nonfinite=SimpleNamespace(agreed=_agreed(rows)))
-        nonfinite.note_global_loss(sync, nan)
-        return nonfinite.describe(sync.nonfinite.agreed, 1)
+    L = nonfinite.LOSS
     # rank 3's own loss share went NaN: rank 3 is named, not the lowest rank of the last stage
-    assert "rank 3 (pipeline stage 1) went non-finite first, in its loss" in \
-        noted({0: (0, set()), 1: (0, set()), 2: (1, set()), 3: (1, {L})})
+    assert "rank 3 (pipeline stage 1) went non-finite first, in its loss" in nonfinite.describe(
+        _agreed({0: (0, set()), 1: (0, set()), 2: (1, set()), 3: (1, {L})}), 1, loss_bad=True)
     # no rank's share went bad (no labelled token anywhere: 0/0): the last stage's ranks, the lowest first
     assert "rank 2 (pipeline stage 1) went non-finite first, in its loss; non-finite values were seen on rank(s) " \
-        "[2, 3]" in noted({0: (0, set()), 1: (0, set()), 2: (1, set()), 3: (1, set())})
+        "[2, 3]" in nonfinite.describe(_agreed({0: (0, set()), 1: (0, set()), 2: (1, set()), 3: (1, set())}), 1,
+                                       loss_bad=True)
 
 
 def test_step_flags_see_nan_and_inf_and_nothing_while_paused():

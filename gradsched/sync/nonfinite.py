@@ -47,6 +47,7 @@ class StepFlags:
         #                                        per kind: non-finite where that kind went so
         self.slots: list = []  # per kind, (largest, smallest) as 1-element views of flags
         self.loss_row: torch.Tensor | None = None  # [3] float64: this rank's COUNT, SHARE and SCALE, if it has a loss
+        self.loss: torch.Tensor | None = None  # the step's loss, from every rank's row (ParallelModel.train_step)
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.step = 0
         self._paused = 0
@@ -94,7 +95,7 @@ class StepFlags:
         return self.slots
 
     def reset(self) -> None:
-        self.flags, self.agreed, self.loss_row = None, None, None
+        self.flags, self.agreed, self.loss_row, self.loss = None, None, None, None
 
 
 def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
@@ -164,17 +165,6 @@ def _combine(rows: torch.Tensor, op) -> torch.Tensor:
     return rows.amax(0) if op == dist.ReduceOp.MAX else rows.sum(0)
 
 
-def note_global_loss(sync, loss: torch.Tensor) -> None:
-    """The step's loss, from the agreed rows, non-finite while every rank's own loss share is finite (a global
-    batch without a labelled token: 0/0): the last stage's ranks are marked as having gone non-finite in their
-    loss, on the device."""
-    agreed = sync.nonfinite.agreed
-    last = agreed[:, 0] == agreed[:, 0].max()
-    # only where no rank's own loss went non-finite: that rank is the origin, and says so already
-    bad = ((~torch.isfinite(loss)) & (agreed[:, LOSS].max() == 0)).to(torch.float64)
-    agreed[:, LOSS] = torch.where(last, torch.maximum(agreed[:, LOSS], bad), agreed[:, LOSS])
-
-
 def check(sync, on_nonfinite: str) -> bool:
     """Before the optimizer applies this step: True to apply it, False to skip it (on_nonfinite="skip"), or
     NonFiniteError (on_nonfinite="raise"); the same answer on every rank. One host read a step."""
@@ -183,22 +173,30 @@ def check(sync, on_nonfinite: str) -> bool:
     if flags.agreed is None:  # no clipping this step: the flags' own reduction
         device = next(iter(sync.params.values())).device
         agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device))
-    agreed = flags.agreed
+    agreed, loss = flags.agreed, flags.loss
     flags.reset()
     if agreed.is_meta:  # the dry run (gradsched.dryrun): the reduction is priced, no value is read
         return True
-    bad = bool((agreed[:, FORWARD:GRADS + 1] > 0).any())  # the step's one host read of a device value
+    bad = (agreed[:, FORWARD:GRADS + 1] > 0).any()
+    if loss is not None:  # the step's loss, from every rank's row: NaN too when the global batch has no label
+        bad = bad | ~torch.isfinite(loss)
+    bad = bool(bad)  # the step's one host read of a device value
     agreement.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if not bad:
         return True
     if on_nonfinite == "skip":
         return False
-    raise NonFiniteError(describe(agreed.cpu(), flags.step))
+    raise NonFiniteError(describe(agreed.cpu(), flags.step, loss is not None and not bool(torch.isfinite(loss))))
 
 
-def describe(agreed: torch.Tensor, step: int) -> str:
-    """Where the values went non-finite first (see the module's docstring), from every rank's row."""
+def describe(agreed: torch.Tensor, step: int, loss_bad: bool = False) -> str:
+    """Where the values went non-finite first (see the module's docstring), from every rank's row. `loss_bad`: the
+    step's loss went non-finite; where no rank's own loss share did (a global batch without a labelled token:
+    0/0), the last stage's ranks are named for it."""
     rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] > 0}) for r in range(len(agreed))}
+    if loss_bad and not any(LOSS in kinds for _, kinds in rows.values()):
+        last = max(s for s, _ in rows.values())
+        rows = {r: (s, kinds | ({LOSS} if s == last else set())) for r, (s, kinds) in rows.items()}
     bad = {r: (s, kinds) for r, (s, kinds) in rows.items() if kinds}
     origin = None
     for kind, key in ((FORWARD, lambda r: (bad[r][0], r)), (LOSS, lambda r: r),
