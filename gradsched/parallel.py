@@ -294,9 +294,8 @@ class ParallelModel:
         if self._weights is None:
             return self.loss_fn(out, target)
         if index is None or target.shape != self._mb_target_shape:
-            w = self._weights
-            w.total = loss_weights.settled(w.total)
-            return loss_weights.weighted(self.loss_fn, out, target, w.total, self.plan, self.ignore_index)
+            return loss_weights.weighted(self.loss_fn, out, target, self._weights.scale(), self.plan,
+                                         self.ignore_index)
         keep, weight = self._weights(index)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
@@ -310,7 +309,7 @@ class ParallelModel:
             share = loss_weights.step_share(losses, self.plan, self.options.average)
             flags.observe(nonfinite.LOSS, share)
             zero = torch.zeros_like(share)  # average=False: no count, no scale
-            flags.loss_row = torch.stack([w.counts.sum(), share, loss_weights.settled(w.total)] if w is not None
+            flags.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None
                                          else [zero, share, zero])
         nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
                              what="the step's non-finite flags, labelled tokens and loss")
@@ -321,7 +320,7 @@ class ParallelModel:
         if factor is not None:
             sync.scale_gradients(factor)
             if w is not None:
-                self._scale = loss_weights.next_scale(w.total, agreed[:, nonfinite.COUNT])
+                self._scale = loss_weights.next_scale(w.scale(), agreed[:, nonfinite.COUNT])
         return loss.float() if losses is not None else None
 
     def named_parameters(self):

@@ -96,3 +96,12 @@ def test_a_global_batch_without_a_labelled_token_has_a_nan_loss_and_keeps_its_sc
     loss, factor = step_result(zeros, zeros, scale, average=True)
     assert loss.isnan() and factor.isinf()
     assert next_scale(scale[0], zeros).item() == 7.0
+
+
+def test_a_first_step_without_a_label_leaves_a_scale_of_one_not_zero():
+    """K = 0 (no label in the first step's global batch) would weigh the next step's losses by n / 0."""
+    from gradsched.training.loss_weights import StepWeights, next_scale
+    weights = StepWeights(torch.zeros(2, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64), OneRank())
+    assert [w.item() for _, w in (weights(0), weights(1))] == [0.0, 0.0]
+    assert weights.scale().item() == 1.0
+    assert next_scale(weights.scale(), torch.zeros(2, dtype=torch.float64)).item() == 1.0

@@ -170,7 +170,7 @@ def check(sync, on_nonfinite: str) -> bool:
     NonFiniteError (on_nonfinite="raise"); the same answer on every rank. One host read a step."""
     flags = sync.nonfinite
     flags.step += 1
-    if flags.agreed is None:  # no clipping this step: the flags' own reduction
+    if flags.agreed is None:  # no train_step (the backend by name) and no clipping: the flags gathered here
         device = next(iter(sync.params.values())).device
         agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device))
     agreed, loss = flags.agreed, flags.loss

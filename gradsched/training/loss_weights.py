@@ -58,13 +58,19 @@ class StepWeights:
 
     def __init__(self, counts: torch.Tensor, total: torch.Tensor, plan: ParallelPlan):
         self.counts, self.total, self.group = counts, total, len(plan.group_ranks("grad"))
-        self.parts = None
+        self.parts, self.scaled = None, False
+
+    def scale(self) -> torch.Tensor:
+        """K as a plain tensor, at least 1 (a first step without a label would otherwise weigh every later one by
+        n / 0); any K the same on every rank gives the same gradients after `step_result`'s K / N."""
+        if not self.scaled:
+            self.total, self.scaled = settled(self.total).clamp(min=1.0), True
+        return self.total
 
     def __call__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.parts is None:
-            self.total = settled(self.total)
-            # total >= 1 (a count, at least one)
-            self.parts = list(zip((self.counts > 0).unbind(), (self.counts * self.group / self.total).unbind()))
+            total = self.scale()
+            self.parts = list(zip((self.counts > 0).unbind(), (self.counts * self.group / total).unbind()))
         return self.parts[i]
 
 
