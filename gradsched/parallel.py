@@ -28,13 +28,12 @@ from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage
                                       hf_checkpointed_layers, release_other_stages, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
 from gradsched.sync.replicas import make_replicas_equal
-from gradsched.sync import nonfinite
 from gradsched.sync.boundaries import agree_stage_boundaries
 from gradsched.sync.runtime import GradSync
 from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
-from gradsched.training import loss_weights
+from gradsched.training.global_loss import GlobalLoss
 from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, Timeline, pipeline_schedule, resolve_schedule
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
@@ -68,8 +67,7 @@ class ParallelModel:
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
                            self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
-        self._weights = None  # the last stage's micro-batch loss weights, per step (loss_weights.StepWeights)
-        self._scale = None  # the last stage's scale K of the next step's weights (loss_weights): a device scalar
+        self.global_loss = GlobalLoss(loss_fn, plan, self.options.average, ignore_index)
         self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self._replicas_equal = False
         if plan.pp == 1:
@@ -188,7 +186,7 @@ class ParallelModel:
         device = next(self.module.parameters()).device  # the stage runs where its weights are
         self.schedule = pipeline_schedule(self.schedule_name, self.module, self.stage_module, self.plan, self.grad_sync,
                                           self.options.microbatches, device,
-                                          self._weighted_loss, self.timeline)
+                                          self.global_loss, self.timeline)
 
     def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
@@ -196,7 +194,7 @@ class ParallelModel:
         positions / attention_mask ([batch, sequence], optional): handed to the model after its
         tokens (packed documents restart positions; attention_mask marks pads with 0).
 
-        Returns the loss of the global batch (see `_weighted_loss`), the same on every rank of the
+        Returns the loss of the global batch (gradsched.training.global_loss), the same on every rank of the
         last stage; None on the other pipeline stages.
         """
         self._steps += 1
@@ -222,14 +220,14 @@ class ParallelModel:
             self._check_same_shapes(inputs, targets)
         last_stage = self.plan.stage == self.plan.pp - 1
         if last_stage:
-            self._weights = self._step_weights(targets, m)
+            self.global_loss.begin(targets, m)
         if self.plan.pp == 1:
             self._init = materialize(self.stage_module, inputs[0].device, self._init)
             self._make_replicas_equal()
             losses = []
             with self._stage_errors():
                 for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
-                    loss = self._weighted_loss(self.module(*x), y, i)
+                    loss = self.global_loss(self.module(*x), y, i)
                     losses.append(loss.detach())
                     if i < m - 1:  # autograd accumulates (GradSync's step boundary is off between steps)
                         loss.backward()
@@ -247,7 +245,7 @@ class ParallelModel:
                                    **({"target": targets, "losses": losses} if last_stage else {}))
         with self.timeline.span("sync"):
             self.grad_sync.flush()
-        return self._end_step(losses if last_stage else None)
+        return self.global_loss.end(self.grad_sync, losses if last_stage else None)
 
     @contextlib.contextmanager
     def _stage_errors(self):
@@ -276,52 +274,6 @@ class ParallelModel:
                 f"{self._shapes[0]} and targets {self._shapes[1]} (the first step's), but this step's are "
                 f"{shapes[0]} and {shapes[1]}. Under pp > 1 keep the batch size, microbatches and sequence "
                 "length the same every step (pad sequences to one length), or train with pp=1.")
-
-    # ---- the loss of the global batch (gradsched.training.loss_weights) ------------------------------
-    def _step_weights(self, targets, m: int):
-        """The step's micro-batch weights, scaled by the previous step's global count (the first step all-reduces
-        its own; None with average=False: nothing is weighted)."""
-        if not self.options.average:
-            return None
-        counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
-        self._mb_target_shape = targets.chunk(m)[0].shape
-        scale = self._scale if self._scale is not None else loss_weights.global_count(counts, self.plan)
-        return loss_weights.StepWeights(counts, scale, self.plan)
-
-    def _weighted_loss(self, out, target, index: int | None = None):
-        """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
-        extra loss on its first step, on empty tensors: counted from its own targets)."""
-        if self._weights is None:
-            return self.loss_fn(out, target)
-        if index is None or target.shape != self._mb_target_shape:
-            return loss_weights.weighted(self.loss_fn, out, target, self._weights.scale(), self.plan,
-                                         self.ignore_index)
-        keep, weight = self._weights(index)
-        return loss_weights.gated(self.loss_fn, out, target, keep, weight)
-
-    def _end_step(self, losses: list | None):
-        """The step's one reduction, at its end: every rank's non-finite flags, the last stage's labelled counts and
-        loss shares beside them (gradsched.sync.nonfinite); then the reduced gradients are scaled to the global
-        batch's mean (loss_weights). Returns the step's loss on the last stage (`losses` given), else None."""
-        sync, flags, w = self.grad_sync, self.grad_sync.nonfinite, self._weights
-        device = next(iter(sync.params.values())).device
-        if losses is not None:  # this rank's loss: checked once, through its share
-            share = loss_weights.step_share(losses, self.plan, self.options.average)
-            flags.observe(nonfinite.LOSS, share)
-            zero = torch.zeros_like(share)  # average=False: no count, no scale
-            flags.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None
-                                         else [zero, share, zero])
-        nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
-                             what="the step's non-finite flags, labelled tokens and loss")
-        agreed = flags.agreed
-        loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
-                                                agreed[:, nonfinite.SCALE], self.options.average)
-        flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
-        if factor is not None:
-            sync.scale_gradients(factor)
-            if w is not None:
-                self._scale = loss_weights.next_scale(w.scale(), agreed[:, nonfinite.COUNT])
-        return loss.float() if losses is not None else None
 
     def named_parameters(self):
         """This rank's parameters, each once, with the values it trains. Under pp > 1 that is its stage's,

@@ -1,0 +1,66 @@
+"""GlobalLoss: one rank's part in the loss of the global batch, step by step (the arithmetic: loss_weights).
+
+A step begins with the last stage's targets (`begin`: each micro-batch's labelled count and weight), weighs
+each micro-batch's loss as the schedule computes it (`__call__`), and ends (`end`, on every rank) with the step's
+one gather of every rank's non-finite flags, labelled count and loss share (gradsched.sync.nonfinite): the step's
+loss, and the factor that turns the reduced gradients into the global mean's, come from its rows on the device.
+"""
+from __future__ import annotations
+
+import torch
+
+from gradsched.plan import ParallelPlan
+from gradsched.sync import nonfinite
+from gradsched.training import loss_weights
+
+
+class GlobalLoss:
+    def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int):
+        self.loss_fn, self.plan, self.average, self.ignore_index = loss_fn, plan, average, ignore_index
+        self.weights = None  # this step's micro-batch weights (loss_weights.StepWeights), on the last stage
+        self.scale = None  # the next step's scale K: the global count of the last step that had one (a device scalar)
+        self.mb_target_shape = None
+
+    def begin(self, targets: torch.Tensor, m: int) -> None:
+        """The last stage's step begins: its micro-batches' weights, scaled by the previous step's global count
+        (the first step all-reduces its own; nothing is weighted with average=False)."""
+        if not self.average:
+            return
+        counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
+        self.mb_target_shape = targets.chunk(m)[0].shape
+        scale = self.scale if self.scale is not None else loss_weights.global_count(counts, self.plan)
+        self.weights = loss_weights.StepWeights(counts, scale, self.plan)
+
+    def __call__(self, out, target, index: int | None = None):
+        """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
+        extra loss on its first step, on empty tensors: counted from its own targets)."""
+        if self.weights is None:
+            return self.loss_fn(out, target)
+        if index is None or target.shape != self.mb_target_shape:
+            return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
+                                         self.ignore_index)
+        keep, weight = self.weights(index)
+        return loss_weights.gated(self.loss_fn, out, target, keep, weight)
+
+    def end(self, sync, losses: list | None):
+        """The step's one collective, at its end, on every rank of the plan: every rank's non-finite flags, the last
+        stage's labelled counts and loss shares beside them; then the reduced gradients are scaled to the global
+        batch's mean. Returns the step's loss where `losses` (this rank's micro-batch losses) is given, else None."""
+        flags, w = sync.nonfinite, self.weights
+        device = next(iter(sync.params.values())).device
+        if losses is not None:  # this rank's loss: checked once, through its share
+            share = loss_weights.step_share(losses, self.plan, self.average)
+            flags.observe(nonfinite.LOSS, share)
+            zero = torch.zeros_like(share)  # average=False: no count, no scale
+            flags.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else [zero, share, zero])
+        nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
+                             what="the step's non-finite flags, labelled tokens and loss")
+        agreed = flags.agreed
+        loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
+                                                agreed[:, nonfinite.SCALE], self.average)
+        flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
+        if factor is not None:
+            sync.scale_gradients(factor)
+            if w is not None:
+                self.scale = loss_weights.next_scale(w.scale(), agreed[:, nonfinite.COUNT])
+        return loss.float() if losses is not None else None
