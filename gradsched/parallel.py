@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 
 import torch
@@ -33,6 +34,7 @@ from gradsched.sync.runtime import GradSync
 from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is_comm_error
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
+from gradsched.training import loss_weights
 from gradsched.training.global_loss import GlobalLoss
 from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, Timeline, pipeline_schedule, resolve_schedule
 from gradsched.training.materialize import check_init, deferred_init, materialize
@@ -81,9 +83,12 @@ class ParallelModel:
         self.grad_sync = GradSync(setup, self.options, explicit_steps=True,
                                   split_backward=self.schedule_name in SPLIT_BACKWARD)
         self.stage_module = stage_module
-        self.module = torch.compile(stage_module, fullgraph=self.fullgraph,
-                                    backend=functools.partial(gradsched_backend, grad_sync=self.grad_sync,
-                                                                      plan=self.plan))
+        backend = functools.partial(gradsched_backend, grad_sync=self.grad_sync, plan=self.plan)
+        self.module = torch.compile(stage_module, fullgraph=self.fullgraph, backend=backend)
+        # pp = 1: the loss and its weight in the stage's graph (DDP's loss runs eagerly, op by op)
+        self.loss_step = torch.compile(types.MethodType(_stage_loss, stage_module), fullgraph=self.fullgraph,
+                                       backend=backend)
+        self._loss_in_graph = None  # decided by the first micro-batch (_microbatch_loss)
 
     def _shard_sequence(self, inputs, targets, positions=None, attention_mask=None):
         """Model inputs as a tuple; under context parallelism, this rank's slice of the sequence.
@@ -227,7 +232,7 @@ class ParallelModel:
             losses = []
             with self._stage_errors():
                 for i, (x, y) in enumerate(zip(zip(*(t.chunk(m) for t in inputs)), targets.chunk(m))):
-                    loss = self.global_loss(self.module(*x), y, i)
+                    loss = self._microbatch_loss(x, y, i)
                     losses.append(loss.detach())
                     if i < m - 1:  # autograd accumulates (GradSync's step boundary is off between steps)
                         loss.backward()
@@ -246,6 +251,24 @@ class ParallelModel:
         with self.timeline.span("sync"):
             self.grad_sync.flush()
         return self.global_loss.end(self.grad_sync, losses if last_stage else None)
+
+    def _microbatch_loss(self, x, y, i: int):
+        """pp = 1: micro-batch i's weighted loss, computed in the stage's compiled graph (its forward and backward
+        then run no eager op of the loss's); a loss_fn Dynamo cannot trace whole (fullgraph) runs eagerly after
+        the stage's graph instead, with a warning."""
+        if self._loss_in_graph is not False:
+            try:
+                loss = self.loss_step(self.loss_fn, x, y, *self.global_loss.gate(i, y.device))
+                self._loss_in_graph = True
+                return loss
+            except torch._dynamo.exc.Unsupported as e:
+                if self._loss_in_graph:
+                    raise
+                self._loss_in_graph = False  # nothing ran: Dynamo refuses before any graph is compiled
+                warnings.warn(f"gradsched: loss_fn could not be compiled into the stage's graph ({str(e).splitlines()[0]}"
+                              "); it runs eagerly after the stage's graph, op by op (more host time per micro-batch). "
+                              "Make it traceable by torch.compile(fullgraph=True) to remove that.", stacklevel=4)
+        return self.global_loss(self.module(*x), y, i)
 
     @contextlib.contextmanager
     def _stage_errors(self):
@@ -335,6 +358,12 @@ class ParallelModel:
 
     def schedule_report(self) -> str:
         return self.grad_sync.schedule_report()
+
+
+def _stage_loss(stage_module, loss_fn, args, target, keep, weight):
+    """The stage's forward and its weighted loss, compiled as a method of the stage module: Dynamo sees the module
+    as `self`, as under torch.compile(module) (its parameters named as the module names them)."""
+    return loss_weights.gated_in_graph(loss_fn, stage_module(*args), target, keep, weight)
 
 
 def parallelize(model=None, *, plan: ParallelPlan, loss_fn, **kwargs):

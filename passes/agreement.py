@@ -10,7 +10,9 @@ at that collective's input instead, so no extra pass over a reduced buffer is ma
 can therefore issue any of the group's collectives before the check has run. Every group's
 agreement stands before the graph's first collective.
 
-Why in the graph, every run: the digests are exchanged by the graph itself, as the first
+The all-gathers are issued where the graph's computation begins (their input is a constant) and waited
+for just before its first collective: their latency hides behind the compute that precedes it (a
+backward's, all of it but the last bucket's). Why in the graph, every run: the digests are exchanged by the graph itself, as the first
 collective of the group, so each rank compares with the graph its peers run at the same moment.
 A rank that recompiled alone still meets its peers' (older) graphs at that first all-gather,
 which every graph gradsched compiles starts with. What the check does with the gathered digests
@@ -70,13 +72,15 @@ def insert_agreement(gm: fx.GraphModule, spec: AgreementSpec) -> tuple[fx.GraphM
     digests = {g: digest(s) for g, s in seqs.items()}
     b = GraphBuilder(gm)
     first = next((n for n in gm.graph.nodes if is_collective(n)), None)
+    start = next(n for n in gm.graph.nodes if n.op != "placeholder")  # issued here, waited for before `first`
     for group, d in digests.items():
         mine = [n for n in gm.graph.nodes if is_collective(n) and collective_group(n) == group]
-        with gm.graph.inserting_before(first):  # before every collective: a tie point may precede mine[0]
+        with gm.graph.inserting_before(start):
             own = b.call(torch.ops.aten.full.default, [1], d, dtype=torch.int64,
                          device=mine[0].args[0].meta["val"].device)
-            gathered = b.call(c10d.wait_tensor.default, b.call(
-                c10d.all_gather_into_tensor.default, own, spec.group_sizes[group], group))
+            issued = b.call(c10d.all_gather_into_tensor.default, own, spec.group_sizes[group], group)
+        with gm.graph.inserting_before(first):  # before every collective: a tie point may precede mine[0]
+            gathered = b.call(c10d.wait_tensor.default, issued)
             zero = b.call(spec.check, gathered, d, group)
         for c in _roots(gm, set(mine)):
             at = _tie_point(c)

@@ -30,6 +30,13 @@ def test_backward_reductions_are_issued_while_the_backward_computes_one_in_fligh
         assert sum(b * f for b, f in left) / sum(b for b, _ in left) > 1 / 3
         # the code's reductions are the plan's buckets, in the plan's order (fp32)
         assert [e.nbytes for e in issued] == [4 * numel for numel, _ in r["grads"]["buckets"]]
+        # the agreement's digest all-gather is issued before the backward computes anything (no kernel before it but
+        # the one filling its digest: its latency hides behind the backward's compute) and waited for just before
+        # the first reduction
+        gather, wait = [e for e in ev if e.kind == "agreement"]
+        kernels = [e.line for e in ev if e.kind == "compute"]
+        assert sum(k < gather.line for k in kernels) <= 1 and sum(gather.line < k < wait.line for k in kernels) > 1
+        assert wait.line < issued[0].line
 
 
 def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_where_its_all_reduce_feeds_its_reduce_scatter():

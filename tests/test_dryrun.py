@@ -264,9 +264,10 @@ def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     shape = fit.model_shape(model, 4)
     # zb1p at pp 4 holds more on each later stage (B keeps what its W reads, which a checkpointed B recomputes)
     # than its pp-2 probes showed: they priced its last stage 45% low at llama-70b before counting the stashes
-    # (shard=True at pp 1 only: under zb1p its two probes more are the suite's slowest, 18 probes in all)
-    cands = [fit.Candidate(1, 4, 1, True, 1, False), fit.Candidate(2, 2, 1, "params", 2, False),
-             fit.Candidate(4, 1, 1, "params", 4, True, "zb1p")]
+    # Two shard modes: the default (shard=True) at pp 1, and shard="params" checkpointed under zb1p at pp 4, priced
+    # beyond its pp-2 probes (12 probes). A third, "params" unchecked under 1F1B at pp 2, cost the suite ~45 s more;
+    # 1F1B's micro-batches in flight are checked by test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state
+    cands = [fit.Candidate(1, 4, 1, True, 1, False), fit.Candidate(4, 1, 1, "params", 4, True, "zb1p")]
     priced = fit_probes.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
                                progress=lambda s: None)
     for p in priced:

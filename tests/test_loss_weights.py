@@ -105,3 +105,55 @@ def test_a_first_step_without_a_label_leaves_a_scale_of_one_not_zero():
     assert [w.item() for _, w in (weights(0), weights(1))] == [0.0, 0.0]
     assert weights.scale().item() == 1.0
     assert next_scale(weights.scale(), torch.zeros(2, dtype=torch.float64)).item() == 1.0
+
+
+def test_the_gate_in_a_compiled_graph_gives_exact_zeros_even_where_the_users_loss_is_0_over_0():
+    from gradsched.training.loss_weights import gated_in_graph
+    step = torch.compile(gated_in_graph, backend="aot_eager", fullgraph=True)
+    out = torch.randn(2, 3, 1, requires_grad=True)
+    keep, weight = torch.tensor(False), torch.tensor(0.0, dtype=torch.float64)
+    loss = step(masked_mean, out, torch.full((2, 3), -100), keep, weight)
+    loss.backward()
+    assert torch.equal(loss.detach(), torch.zeros(()))
+    assert torch.equal(out.grad, torch.zeros_like(out))
+    # and where kept: the loss times its weight, and its gradient, as eagerly
+    out.grad = None
+    target = torch.tensor([[1, -100, 2], [-100, -100, 3]])
+    step(masked_mean, out, target, torch.tensor(True), torch.tensor(0.5, dtype=torch.float64)).backward()
+    ref_out = out.detach().clone().requires_grad_()
+    (masked_mean(ref_out, target) * 0.5).backward()
+    torch.testing.assert_close(out.grad, ref_out.grad, rtol=1e-6, atol=0)
+
+
+def test_a_loss_that_cannot_be_compiled_whole_runs_eagerly_with_a_warning_and_the_same_gradients():
+    import warnings
+
+    import torch.distributed as dist
+
+    import gradsched
+    from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
+
+    def loss_with_a_graph_break(logits, targets):
+        torch._dynamo.graph_break()
+        return lm_loss(logits, targets)
+
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = TinyGPT()
+        model.load_state_dict(ref.state_dict())
+        pm = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(), loss_fn=loss_with_a_graph_break,
+                                   compiler="eager", shard=False)
+        x, y = make_batch(2, GPTConfig(), seed=1)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            loss = pm.train_step(x, y)
+        assert any("loss_fn could not be compiled into the stage's graph" in str(w.message) for w in seen)
+        expected = lm_loss(ref(x), y)
+        expected.backward()
+        torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()

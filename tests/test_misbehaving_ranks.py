@@ -94,12 +94,16 @@ def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skippe
 # ---- the pure parts --------------------------------------------------------------------------
 
 def _agreed(rows):
-    """[world, SLOTS] from {rank: (stage, {kind, ...})}."""
+    """[world, SLOTS] from {rank: (stage, {kind, ...})}, as the step's gather leaves them: a bad loss is a non-finite
+    loss share (its rank's row holds no loss flag)."""
     out = torch.zeros(len(rows), nonfinite.SLOTS, dtype=torch.float64)
     for r, (stage, kinds) in rows.items():
         out[r, 0] = stage + 1
         for k in kinds:
-            out[r, k] = 1
+            if k == nonfinite.LOSS:
+                out[r, nonfinite.SHARE] = float("nan")
+            else:
+                out[r, k] = 1
     return out
 
 

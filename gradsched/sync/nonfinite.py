@@ -4,8 +4,8 @@ During a step each rank notes on the device, never reading it, whether what it p
 its stage's forward output (what it sends on), its loss, its stage's input gradients (what it sends back)
 and, at the step's end, its reduced gradients. One all-gather over every rank of the plan carries every
 rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
-norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows,
-so the step's loss and the global count need no collective of their own (gradsched.training.loss_weights). One
+norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows
+(a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count need no collective of their own (gradsched.training.loss_weights). One
 host read in the optimizer's step decides, the same on every rank: raise
 NonFiniteError naming where the values first went non-finite (on_nonfinite="raise"), or skip the step
 and leave the optimizer's state untouched ("skip").
@@ -105,7 +105,10 @@ def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
     if grads_bad is None:
         grads_bad = reduced_gradients_bad(sync, device)
     loss = flags.loss_row if flags.loss_row is not None else torch.zeros(3, dtype=torch.float64, device=device)
-    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), flags.bad(device),
+    # nothing observed (a rank of one stage: its loss is checked through its share): no flags tensor to make
+    kinds = flags.bad(device) if flags.flags is not None else torch.zeros(len(KINDS), dtype=torch.float64,
+                                                                          device=device)
+    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), kinds,
                      loss.to(device)])
     row[GRADS] = torch.maximum(row[GRADS], grads_bad.to(torch.float64))
     return row
@@ -193,7 +196,9 @@ def describe(agreed: torch.Tensor, step: int, loss_bad: bool = False) -> str:
     """Where the values went non-finite first (see the module's docstring), from every rank's row. `loss_bad`: the
     step's loss went non-finite; where no rank's own loss share did (a global batch without a labelled token:
     0/0), the last stage's ranks are named for it."""
-    rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] > 0}) for r in range(len(agreed))}
+    # a rank's loss went non-finite where its share did (the loss is checked through it, not flagged)
+    rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] > 0} |
+                ({LOSS} if not torch.isfinite(agreed[r, SHARE]) else set())) for r in range(len(agreed))}
     if loss_bad and not any(LOSS in kinds for _, kinds in rows.values()):
         last = max(s for s, _ in rows.values())
         rows = {r: (s, kinds | ({LOSS} if s == last else set())) for r, (s, kinds) in rows.items()}

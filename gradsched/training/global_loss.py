@@ -42,15 +42,23 @@ class GlobalLoss:
         keep, weight = self.weights(index)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
+    def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Micro-batch `index`'s (keep, weight) for a loss computed in the stage's graph
+        (loss_weights.gated_in_graph): with average=False, (True, 1). Each of shape [1]: Dynamo would take a 0-d
+        float tensor input for a Python number, fail to keep it a tensor and trace the graph twice."""
+        if self.weights is None:
+            return torch.ones(1, dtype=torch.bool, device=device), torch.ones(1, dtype=torch.float64, device=device)
+        keep, weight = self.weights(index)
+        return keep.reshape(1), weight.reshape(1)
+
     def end(self, sync, losses: list | None):
         """The step's one collective, at its end, on every rank of the plan: every rank's non-finite flags, the last
         stage's labelled counts and loss shares beside them; then the reduced gradients are scaled to the global
         batch's mean. Returns the step's loss where `losses` (this rank's micro-batch losses) is given, else None."""
         flags, w = sync.nonfinite, self.weights
         device = next(iter(sync.params.values())).device
-        if losses is not None:  # this rank's loss: checked once, through its share
+        if losses is not None:  # this rank's loss: checked once, through its share (non-finite exactly when it is)
             share = loss_weights.step_share(losses, self.plan, self.average)
-            flags.observe(nonfinite.LOSS, share)
             zero = torch.zeros_like(share)  # average=False: no count, no scale
             flags.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else [zero, share, zero])
         nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),

@@ -114,6 +114,16 @@ def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
 
 
+def gated_in_graph(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
+    """`gated` for a compiled graph: the gate as a `where` between the value and its detached self (the same
+    forward value; the gradient passes where `keep`, exact zeros elsewhere, NaN included), which Dynamo traces
+    and Inductor fuses (eagerly it would copy the model's output: `gated` keeps an autograd Function there)."""
+    gate = lambda t: torch.where(keep, t, t.detach()) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
+    gated_out = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
+    loss = loss_fn(gated_out, target)
+    return torch.where(keep, loss * weight.to(loss.dtype), 0.0).reshape(loss.shape)  # keep, weight: [1] or 0-d
+
+
 def step_share(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor:
     """This rank's share of the step's loss, from its (weighted) micro-batch losses, in float64: times K / N
     (`step_result`) and summed over the ranks, the mean over the global batch's labelled tokens (or the sum).
