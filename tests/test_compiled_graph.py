@@ -3,8 +3,6 @@ reductions are issued while the backward computes, one in flight at a time."""
 import re
 
 from gradsched.sync.compiled_code import events, kernels_left
-from gradsched.launch import run_ranks
-from tied_training import Job, compare, rank_main, reference
 
 
 def test_backward_reductions_are_issued_while_the_backward_computes_one_in_flight_at_a_time(inductor_runs):
@@ -39,11 +37,12 @@ def test_backward_reductions_are_issued_while_the_backward_computes_one_in_fligh
         assert wait.line < issued[0].line
 
 
-def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_where_its_all_reduce_feeds_its_reduce_scatter():
-    job = Job(pp=2, dp=1, steps=2, capture_code=True, options={"compiler": "inductor"})
-    ranks = run_ranks(rank_main, 2, job, timeout_s=400)
-    for r in ranks:
-        (tied,) = r["tied_buckets"]  # stage 0: the embedding's bucket is last; stage 1: the head's is first
+def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_where_its_all_reduce_feeds_its_reduce_scatter(
+        inductor_runs):
+    # the option matrix's pp2 x cp2 Inductor row (shard="params", nine small buckets; it trains like one process
+    # there): stage 0's tied bucket (the embedding's) is its last, stage 1's (the head's) its first
+    for r in inductor_runs["inductor_pp2_cp2_params_small_buckets_m4"]:
+        (tied,) = r["tied_buckets"]
         assert r["sync_graph_buckets"] == {"backward": [b for b in range(r["n_buckets"]) if b != tied],
                                            "flush": [tied]}
         code = "\n".join(r["code"])  # the backward graphs' code, then the flush graph's
@@ -51,9 +50,9 @@ def test_under_pipeline_parallelism_only_the_tied_bucket_waits_for_the_flush_whe
         reduce_scatters = list(re.finditer(r"_c10d_functional\.reduce_scatter_tensor\.default\((\w+),", code))
         (all_reduce,) = re.finditer(r"_c10d_functional\.all_reduce_?\.default\((\w+),", code)
         assert len(reduce_scatters) == r["n_buckets"]  # one per bucket
-        # the flush graph's only reduce-scatter is the tied bucket's, after the all-reduce: dp=1, so
-        # nothing scales between them and it reads the all-reduced buffer itself
+        # the flush graph's only reduce-scatter is the tied bucket's, after the all-reduce, and reads the
+        # all-reduced buffer: itself, or through the one kernel that scales it over the gradient group (cp 2)
         assert reduce_scatters[-1].start() > all_reduce.start() > reduce_scatters[-2].start()
-        assert reduce_scatters[-1].group(1) == all_reduce.group(1)
-    cmp = compare(reference(job), ranks)
-    assert cmp["max_abs_diff"] < 1e-5 and cmp["tied_bitwise_equal"]
+        reduced, scattered = all_reduce.group(1), reduce_scatters[-1].group(1)
+        between = code[all_reduce.end():reduce_scatters[-1].start()]
+        assert scattered == reduced or re.search(rf"\w+\((?=[^)\n]*\b{reduced}\b)(?=[^)\n]*\b{scattered}\b)", between)
