@@ -265,7 +265,8 @@ class ParallelModel:
                 if self._loss_in_graph:
                     raise
                 self._loss_in_graph = False  # nothing ran: Dynamo refuses before any graph is compiled
-                warnings.warn(f"gradsched: loss_fn could not be compiled into the stage's graph ({str(e).splitlines()[0]}"
+                why = str(e).splitlines()[0]
+                warnings.warn(f"gradsched: loss_fn could not be compiled into the stage's graph ({why}"
                               "); it runs eagerly after the stage's graph, op by op (more host time per micro-batch). "
                               "Make it traceable by torch.compile(fullgraph=True) to remove that.", stacklevel=4)
         return self.global_loss(self.module(*x), y, i)

@@ -12,7 +12,9 @@ agreement stands before the graph's first collective.
 
 The all-gathers are issued where the graph's computation begins (their input is a constant) and waited
 for just before its first collective: their latency hides behind the compute that precedes it (a
-backward's, all of it but the last bucket's). Why in the graph, every run: the digests are exchanged by the graph itself, as the first
+backward's, all of it but the last bucket's).
+
+Why in the graph, every run: the digests are exchanged by the graph itself, as the first
 collective of the group, so each rank compares with the graph its peers run at the same moment.
 A rank that recompiled alone still meets its peers' (older) graphs at that first all-gather,
 which every graph gradsched compiles starts with. What the check does with the gathered digests

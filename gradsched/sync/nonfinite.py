@@ -5,10 +5,10 @@ its stage's forward output (what it sends on), its loss, its stage's input gradi
 and, at the step's end, its reduced gradients. One all-gather over every rank of the plan carries every
 rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
 norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows
-(a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count need no collective of their own (gradsched.training.loss_weights). One
-host read in the optimizer's step decides, the same on every rank: raise
-NonFiniteError naming where the values first went non-finite (on_nonfinite="raise"), or skip the step
-and leave the optimizer's state untouched ("skip").
+(a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count
+need no collective of their own (gradsched.training.loss_weights). One host read in the optimizer's step
+decides, the same on every rank: raise NonFiniteError naming where the values first went non-finite
+(on_nonfinite="raise"), or skip the step and leave the optimizer's state untouched ("skip").
 
 Where first: activations flow forward and gradients backward, so the origin is the lowest stage whose
 forward output went non-finite; else a rank whose loss did; else the highest stage whose input
