@@ -364,7 +364,7 @@ class ParallelModel:
 def _stage_loss(stage_module, loss_fn, args, target, keep, weight):
     """The stage's forward and its weighted loss, compiled as a method of the stage module: Dynamo sees the module
     as `self`, as under torch.compile(module) (its parameters named as the module names them)."""
-    return loss_weights.gated_in_graph(loss_fn, stage_module(*args), target, keep, weight)
+    return loss_weights.gated(loss_fn, stage_module(*args), target, keep, weight, in_graph=True)
 
 
 def parallelize(model=None, *, plan: ParallelPlan, loss_fn, **kwargs):

@@ -66,6 +66,25 @@ def test_every_collective_of_a_group_reads_its_groups_agreement_and_the_graph_co
         assert n.op in ("placeholder", "output") or "val" in n.meta, n
 
 
+def test_the_digests_all_gathers_are_issued_before_the_graph_computes_and_waited_for_before_its_first_collective():
+    # a backward's shape: compute first, then its reductions
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    b = GraphBuilder(gm, FakeTensorMode())
+    x = b.placeholder("x", [8], torch.float32, torch.device("cpu"))
+    grad = b.call(torch.ops.aten.mul.Tensor, x, 2.0)
+    tied = b.collective("all_reduce", grad, "tie", 2, {"identity": "tie wte"})
+    gm.graph.output((b.collective("reduce_scatter", tied, "dp", 2, {"identity": [["wte", 0, 8]]}),))
+    gm.recompile()
+    insert_agreement(gm, AgreementSpec(AGREE, {"tie": 2, "dp": 2}))
+    order = list(gm.graph.nodes)
+    gathers = [n for n in order if n.target is c10d.all_gather_into_tensor.default]
+    mul = next(n for n in order if n.target is torch.ops.aten.mul.Tensor and n.args[0] is x)  # the graph's compute
+    assert len(gathers) == 2 and all(order.index(g) < order.index(mul) for g in gathers)  # latency hidden behind it
+    first = next(n for n in order if is_collective(n) and n not in gathers)
+    waits = [u for g in gathers for u in g.users if u.target is c10d.wait_tensor.default]
+    assert len(waits) == 2 and all(order.index(w) < order.index(first) for w in waits)
+
+
 def test_a_sequence_differing_in_one_size_has_another_digest():
     same, other = collective_sequences(tie_then_reduce_scatter()), collective_sequences(tie_then_reduce_scatter(16))
     assert digest(same["dp"]) == digest(collective_sequences(tie_then_reduce_scatter())["dp"])

@@ -44,7 +44,7 @@ class GlobalLoss:
 
     def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `index`'s (keep, weight) for a loss computed in the stage's graph
-        (loss_weights.gated_in_graph): with average=False, (True, 1). Each of shape [1]: Dynamo would take a 0-d
+        (loss_weights.gated, in_graph=True): with average=False, (True, 1). Each of shape [1]: Dynamo would take a 0-d
         float tensor input for a Python number, fail to keep it a tensor and trace the graph twice."""
         if self.weights is None:
             return torch.ones(1, dtype=torch.bool, device=device), torch.ones(1, dtype=torch.float64, device=device)

@@ -103,25 +103,22 @@ def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, igno
     return gated(loss_fn, out, target, keep, weight)
 
 
-def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
+def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor, in_graph: bool = False):
     """loss_fn(out, target) times `weight` where `keep`, else exact zeros, forward and backward. Branch-free: a
     micro-batch whose targets are all ignore_index contributes exact zeros, decided on the device. Nothing here
     reads or checks values: the step observes its losses for non-finite values once, at its end (a weighted loss
-    is non-finite exactly where its loss is and it has labelled tokens)."""
-    gate = lambda t: _GradientUnless.apply(t, keep) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
+    is non-finite exactly where its loss is and it has labelled tokens). keep, weight: 0-d or [1].
+
+    in_graph (traced into a compiled graph): the gate is a `where` between the output and its detached self (the
+    same value forward; backward the gradient where `keep`, exact zeros elsewhere, NaN included), which Inductor
+    fuses; eagerly that `where` would copy the model's output, so the eager gate is an autograd Function."""
+    def gate(t):
+        if not (isinstance(t, torch.Tensor) and t.requires_grad):
+            return t
+        return torch.where(keep, t, t.detach()) if in_graph else _GradientUnless.apply(t, keep)
     gated_out = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
     loss = loss_fn(gated_out, target)  # 0/0 on an empty micro-batch: the where gives exact zero instead
-    return torch.where(keep, loss * weight.to(loss.dtype), 0.0)
-
-
-def gated_in_graph(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
-    """`gated` for a compiled graph: the gate as a `where` between the value and its detached self (the same
-    forward value; the gradient passes where `keep`, exact zeros elsewhere, NaN included), which Dynamo traces
-    and Inductor fuses (eagerly it would copy the model's output: `gated` keeps an autograd Function there)."""
-    gate = lambda t: torch.where(keep, t, t.detach()) if isinstance(t, torch.Tensor) and t.requires_grad else t  # noqa
-    gated_out = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
-    loss = loss_fn(gated_out, target)
-    return torch.where(keep, loss * weight.to(loss.dtype), 0.0).reshape(loss.shape)  # keep, weight: [1] or 0-d
+    return torch.where(keep, loss * weight.to(loss.dtype), 0.0).reshape(loss.shape)
 
 
 def step_share(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor:
