@@ -237,12 +237,13 @@ class ParallelModel:
                     if i < m - 1:  # autograd accumulates (GradSync's step boundary is off between steps)
                         loss.backward()
                         continue
+                    issued = self.global_loss.issue(self.grad_sync, losses)  # hidden by the backward (shard=False)
                     with self.grad_sync.step_boundary(last=True):
                         loss.backward()
         else:
             if self.module is None:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
-            first, losses = self.plan.stage == 0, []
+            first, losses, issued = self.plan.stage == 0, [], None
             self.grad_sync.begin_step()
             with self._stage_errors():
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
@@ -250,7 +251,7 @@ class ParallelModel:
                                    **({"target": targets, "losses": losses} if last_stage else {}))
         with self.timeline.span("sync"):
             self.grad_sync.flush()
-        return self.global_loss.end(self.grad_sync, losses if last_stage else None)
+        return self.global_loss.end(self.grad_sync, losses if last_stage else None, issued)
 
     def _microbatch_loss(self, x, y, i: int):
         """pp = 1: micro-batch i's weighted loss, computed in the stage's compiled graph (its forward and backward

@@ -127,4 +127,39 @@ def pipeline_misbehaviour(rank, world):
                          "ties": [t.members for t in sync.ties.values()]}
         except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
             out[name] = f"{type(e).__name__}: {e}"
+    for shard in (False, True):  # then pp1 x dp2 on the same processes
+        out[f"grads shard={shard}"] = _nan_in_one_ranks_gradients(rank, shard)
+    return out
+
+
+def loss_with_nan_gradient_where_first_target_unlabelled(logits, targets):
+    """lm_loss, whose gradient (not its value) is NaN when a sequence's first target is ignore_index: 0 * sqrt(0)
+    is 0, its derivative 0 * inf."""
+    zero = logits.sum() * 0 + (targets[:, 0] != -100).all().to(logits.dtype)  # 0 when so, else 1
+    return lm_loss(logits, targets) + 0 * zero.sqrt()
+
+
+def _nan_in_one_ranks_gradients(rank, shard) -> dict:
+    """pp1 x dp2: at step 2 rank 1's gradients go NaN, its loss finite. Returns the error each rank says and
+    whether the step's row gather was issued before the last backward (shard=False: each rank's reduced gradients
+    are every rank's, so no rank needs another's flag)."""
+    torch._dynamo.reset()
+    job = Job(pp=1, dp=2, steps=3, options={"compiler": "eager", "shard": shard, "microbatches": 2, "fault_timeout_s": 30.0})
+    model, _ = build_model(job)
+    model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2),
+                                  loss_fn=loss_with_nan_gradient_where_first_target_unlabelled, **job.options)
+    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+    out, first = {"early": False, "error": None}, JOURNAL.count  # this run's entries: those numbered after
+    try:
+        for step in range(job.steps):
+            x, y = (t.chunk(2)[rank] for t in batch(job, step))
+            if step == 1 and rank == 1:
+                y = y.clone()
+                y[0, 0] = -100
+            model.train_step(x, y)
+            out["early"] |= any("issued before the last backward" in e.what for e in JOURNAL.entries if e.seq > first)
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
+        out["error"] = f"{type(e).__name__}: {e}"
     return out

@@ -91,6 +91,17 @@ def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skippe
     assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
 
 
+@pytest.mark.parametrize("shard", [False, True])
+def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(pipeline_runs, shard):
+    """shard=False gathers the step's row before the last backward and adds each rank's own reduced-gradient flag
+    (all-reduced: the same on every rank); shard=True gathers it after the reduce-scatter."""
+    for r in pipeline_runs:
+        run = r[f"grads shard={shard}"]
+        assert run["early"] is (not shard)
+        assert run["error"] is not None and run["error"].startswith("NonFiniteError: step 2 (of this run): "), run
+        assert "its reduced gradients" in run["error"], run["error"]
+
+
 # ---- the pure parts --------------------------------------------------------------------------
 
 def _agreed(rows):
@@ -160,6 +171,10 @@ def test_reduced_gradients_are_bad_exactly_when_an_element_is_not_finite_in_thei
     assert bad(torch.tensor([1.0, float("nan")]), torch.zeros(3)) == 1
     assert bad(torch.zeros(2, dtype=torch.bfloat16), torch.tensor([-float("inf")], dtype=torch.float64)) == 1
     assert bad(torch.tensor([torch.finfo(torch.float16).max], dtype=torch.float16)) == 0
+    # many of the largest finite values: a sum in their own dtype would overflow
+    assert bad(torch.full((1000,), torch.finfo(torch.float32).max),
+               torch.full((1000,), torch.finfo(torch.float16).max, dtype=torch.float16)) == 0
+    assert bad(torch.full((1000,), big, dtype=torch.float64)) == 0
 
 
 def test_boundaries_name_the_sender_of_the_first_disagreeing_boundary():

@@ -119,6 +119,8 @@ class _Settling:
 def settle(wait: bool = False) -> None:
     """Compare the digests gathered by earlier runs whose copy has reached the host (every one with
     wait=True, waiting for the device: at a step's end); raise CollectiveMismatch at the first that differs."""
+    if not _PENDING:  # run before every compiled graph: most have nothing to compare
+        return
     with _LOCK:
         ready = [n for n in _PENDING if wait or n.arrived()] if len(_PENDING) < MAX_PENDING else list(_PENDING)
         _PENDING[:] = [n for n in _PENDING if not any(n is r for r in ready)]

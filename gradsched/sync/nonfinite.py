@@ -17,6 +17,7 @@ gradients did; else the ranks whose reduced gradients did (their own parameters'
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -43,9 +44,8 @@ class StepFlags:
     """This rank's observations during one step, on the device (no host read)."""
 
     def __init__(self):
-        self.flags: torch.Tensor | None = None  # [2, len(KINDS)] float64, the largest and the smallest element seen
-        #                                        per kind: non-finite where that kind went so
-        self.slots: list = []  # per kind, (largest, smallest) as 1-element views of flags
+        self.seen: list[list] = [[] for _ in KINDS]  # per kind, the smallest and largest element of each tensor
+        #                                            observed: non-finite where that kind went so
         self.loss_row: torch.Tensor | None = None  # [3] float64: this rank's COUNT, SHARE and SCALE, if it has a loss
         self.loss: torch.Tensor | None = None  # the step's loss, from every rank's row (ParallelModel.train_step)
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
@@ -62,40 +62,31 @@ class StepFlags:
             self._paused -= 1
 
     def observe(self, kind: int, tensors) -> None:
-        # no torch.no_grad() around it: its enter and exit cost twice the ops below; detach() keeps them off the tape
+        # no torch.no_grad() around it: its enter and exit cost more than the op below; detach() keeps it off the tape
         if self._paused:
             return
         leaves = (tensors,) if isinstance(tensors, torch.Tensor) else torch.utils._pytree.tree_leaves(tensors)
-        ts = [t for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()]
-        if not ts:
-            return
-        # the largest and the smallest element seen, per kind: one of them is non-finite exactly when some element
-        # was (NaN propagates through max and min, neither can overflow); one fused pass a tensor (aminmax: 25x
-        # faster than an inf-norm on a CPU), no temporary copy, maxed and mined into the step's slots: tested once
-        # a step (bad), never read here
-        high, low = self._slots(ts[0].device)[kind - 1]
-        for t in ts:
-            least, most = torch.aminmax(t.detach())
-            torch.maximum(high, most, out=high)
-            torch.minimum(low, least, out=low)
+        seen = self.seen[kind - 1]
+        # the smallest and the largest element: one of them is non-finite exactly when some element was (NaN
+        # propagates through min and max, neither can overflow); one fused pass a tensor (aminmax: 25x faster than
+        # an inf-norm on a CPU) and one op a micro-batch, tested once a step (bad), never read here
+        for t in leaves:
+            if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel():
+                seen.extend(torch.aminmax(t.detach()))
+
+    def observed(self) -> bool:
+        return any(self.seen)
 
     def bad(self, device) -> torch.Tensor:
         """[len(KINDS)] float64: 1 where that kind went non-finite this step, else 0."""
-        return (~torch.isfinite(self._flags(device))).any(0).to(torch.float64)
-
-    def _flags(self, device) -> torch.Tensor:
-        if self.flags is None:
-            self.flags = torch.zeros(2, len(KINDS), dtype=torch.float64, device=device)
-            # each kind's (largest, smallest) slot as 1-element views, made once a step (two ops an observation)
-            self.slots = list(zip(self.flags[0].split(1), self.flags[1].split(1)))
-        return self.flags
-
-    def _slots(self, device) -> list:
-        self._flags(device)
-        return self.slots
+        none = torch.zeros((), dtype=torch.bool, device=device)
+        # each in its own dtype, promoted by stack (the largest finite values stay finite: a sum would overflow)
+        return torch.stack([(~torch.isfinite(torch.stack(seen))).any() if seen else none
+                            for seen in self.seen]).to(torch.float64)
 
     def reset(self) -> None:
-        self.flags, self.agreed, self.loss_row, self.loss = None, None, None, None
+        self.seen = [[] for _ in KINDS]
+        self.agreed, self.loss_row, self.loss = None, None, None
 
 
 def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
@@ -106,8 +97,7 @@ def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
         grads_bad = reduced_gradients_bad(sync, device)
     loss = flags.loss_row if flags.loss_row is not None else torch.zeros(3, dtype=torch.float64, device=device)
     # nothing observed (a rank of one stage: its loss is checked through its share): no flags tensor to make
-    kinds = flags.bad(device) if flags.flags is not None else torch.zeros(len(KINDS), dtype=torch.float64,
-                                                                          device=device)
+    kinds = flags.bad(device) if flags.observed() else torch.zeros(len(KINDS), dtype=torch.float64, device=device)
     row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), kinds,
                      loss.to(device)])
     row[GRADS] = torch.maximum(row[GRADS], grads_bad.to(torch.float64))
@@ -123,11 +113,17 @@ def reduced_gradients_bad(sync, device) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    # one pass a gradient, its smallest and largest elements (one non-finite exactly when an element is; an
-    # inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5), then one test, in float64: a float64
-    # gradient's finite extremes may not fit a float32
-    extremes = [x.double() for g in grads for x in torch.aminmax(g)]
-    return (~torch.isfinite(torch.stack(extremes))).any().to(torch.float64)
+    # one pass a gradient (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5), then one test
+    values = [v for g in grads for v in _finite_iff_elements_are(g)]
+    values = values[0] if len(values) == 1 else torch.stack(values)
+    return (~torch.isfinite(values)).any().to(torch.float64)
+
+
+def _finite_iff_elements_are(g: torch.Tensor) -> tuple:
+    """float64 values, all finite exactly when every element of `g` is."""
+    if g.dtype == torch.float64:  # a sum of finite float64 values can overflow: its extremes cannot
+        return tuple(torch.aminmax(g))
+    return (g.sum(dtype=torch.float64),)  # NaN and inf propagate; narrower floats cannot overflow a float64 sum
 
 
 def agree(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
@@ -147,6 +143,51 @@ def agree_step(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "th
                      what)
     sync.nonfinite.agreed = rows[:, n:]
     return _combine(rows[:, :n], op).reshape(prefix.shape)
+
+
+def reduced_alike(sync) -> bool:
+    """Every rank of the plan ends the step with the same reduced gradients: whole buckets all-reduced
+    (shard=False) over a gradient group that is every rank (pp 1). An all-reduce leaves the same values on every
+    rank (gloo's and NCCL's reduce each element once and pass it on; DDP's replicas rely on it too), so each
+    rank's own reduced-gradient flag is every rank's: the row needs no reduced gradient to be gathered."""
+    return not sync.options.shard and set(sync.setup.grad_group.ranks) == set(sync.setup.all_ranks.ranks)
+
+
+@dataclass
+class Issued:
+    """The step's row gather, issued before the last backward (`issue_step`), not yet waited for."""
+    out: torch.Tensor
+    work: object  # the all-gather's Work; None in a world of one
+    what: str
+
+
+def issue_step(sync, what: str, device) -> Issued:
+    """`agree_step`'s gather with no prefix, issued now, asynchronously, when this rank's row is final but for
+    its reduced gradients' flag and `reduced_alike` holds (pp 1, shard=False: after the last forward): its
+    round trip then hides behind the last backward (on a first step, before any backward graph was compiled).
+    `finish_step` waits for it and adds the flag."""
+    row = local_row(sync, torch.zeros((), dtype=torch.float64, device=device), device)
+    world = len(sync.setup.all_ranks.ranks)
+    if world == 1:
+        return Issued(row, None, what)
+    out = row.new_empty(world * row.numel())
+    pg = process_group(sync.setup.all_ranks)
+    with JOURNAL.entry(f"{what}: issued before the last backward", "collective", pg, "all_gather", out.numel(),
+                       out.dtype):
+        work = all_gather(out, row, pg, async_op=True)
+    return Issued(out, work, what)
+
+
+def finish_step(sync, issued: Issued) -> None:
+    """Wait for `issue_step`'s gather; every row's reduced-gradient flag is this rank's own (`reduced_alike`)."""
+    if issued.work is not None:
+        with JOURNAL.entry(issued.what, "collective", process_group(sync.setup.all_ranks), "all_gather",
+                           issued.out.numel(), issued.out.dtype):
+            issued.work.wait()
+    rows = issued.out.reshape(len(sync.setup.all_ranks.ranks), -1)
+    device = rows.device
+    rows[:, GRADS] = torch.maximum(rows[:, GRADS], reduced_gradients_bad(sync, device))
+    sync.nonfinite.agreed = rows
 
 
 def _gathered(sync, row: torch.Tensor, what: str) -> torch.Tensor:

@@ -27,11 +27,11 @@ from gradsched.sync.sync_plan import gather_dtype, plan_layout
 from gradsched.sync.watchdog import JOURNAL
 
 
-def all_gather(out: torch.Tensor, x: torch.Tensor, group) -> None:
+def all_gather(out: torch.Tensor, x: torch.Tensor, group, async_op: bool = False):
     """Eager all-gather of `x` from every rank of `group` into `out`, by torch's current name for it
-    (all_gather_into_tensor is deprecated in favour of all_gather_single)."""
+    (all_gather_into_tensor is deprecated in favour of all_gather_single); its Work with async_op=True."""
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, x, group=group)
+    return gather(out, x, group=group, async_op=async_op)
 
 
 @dataclass

@@ -13,6 +13,8 @@ from gradsched.plan import ParallelPlan
 from gradsched.sync import nonfinite
 from gradsched.training import loss_weights
 
+WHAT = "the step's non-finite flags, labelled tokens and loss"
+
 
 class GlobalLoss:
     def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int):
@@ -20,6 +22,7 @@ class GlobalLoss:
         self.weights = None  # this step's micro-batch weights (loss_weights.StepWeights), on the last stage
         self.scale = None  # the next step's scale K: the global count of the last step that had one (a device scalar)
         self.mb_target_shape = None
+        self._ones = None  # average=False: every micro-batch's (keep, weight), made once
 
     def begin(self, targets: torch.Tensor, m: int) -> None:
         """The last stage's step begins: its micro-batches' weights, scaled by the previous step's global count
@@ -39,30 +42,41 @@ class GlobalLoss:
         if index is None or target.shape != self.mb_target_shape:
             return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
                                          self.ignore_index)
-        keep, weight = self.weights(index)
+        keep, weight = self.weights(index, out.dtype if isinstance(out, torch.Tensor) else torch.float64)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
     def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `index`'s (keep, weight) for a loss computed in the stage's graph
         (loss_weights.gated, in_graph=True): with average=False, (True, 1). Each of shape [1]: Dynamo would take a 0-d
         float tensor input for a Python number, fail to keep it a tensor and trace the graph twice."""
-        if self.weights is None:
-            return torch.ones(1, dtype=torch.bool, device=device), torch.ones(1, dtype=torch.float64, device=device)
-        keep, weight = self.weights(index)
-        return keep.reshape(1), weight.reshape(1)
+        if self.weights is not None:
+            return self.weights(index)
+        if self._ones is None or self._ones[0].device != device:
+            self._ones = torch.ones(1, dtype=torch.bool, device=device), torch.ones(1, dtype=torch.float64, device=device)
+        return self._ones
 
-    def end(self, sync, losses: list | None):
-        """The step's one collective, at its end, on every rank of the plan: every rank's non-finite flags, the last
-        stage's labelled counts and loss shares beside them; then the reduced gradients are scaled to the global
-        batch's mean. Returns the step's loss where `losses` (this rank's micro-batch losses) is given, else None."""
+    def issue(self, sync, losses: list) -> nonfinite.Issued | None:
+        """pp 1, after the last micro-batch's forward (`losses`: every micro-batch's): where every rank's reduced
+        gradients will be alike (nonfinite.reduced_alike: shard=False), the step's gather issued now, to hide
+        behind the last backward; `end` waits for it. None otherwise (`end` gathers)."""
+        if not nonfinite.reduced_alike(sync):
+            return None
+        self._loss_row(sync, losses)
+        return nonfinite.issue_step(sync, WHAT, losses[-1].device)
+
+    def end(self, sync, losses: list | None, issued: nonfinite.Issued | None = None):
+        """The step's one collective, at its end, on every rank of the plan (or `issue`'s, waited for here): every
+        rank's non-finite flags, the last stage's labelled counts and loss shares beside them; then the reduced
+        gradients are scaled to the global batch's mean. Returns the step's loss where `losses` (this rank's
+        micro-batch losses) is given, else None."""
         flags, w = sync.nonfinite, self.weights
-        device = next(iter(sync.params.values())).device
-        if losses is not None:  # this rank's loss: checked once, through its share (non-finite exactly when it is)
-            share = loss_weights.step_share(losses, self.plan, self.average)
-            zero = torch.zeros_like(share)  # average=False: no count, no scale
-            flags.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else [zero, share, zero])
-        nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device),
-                             what="the step's non-finite flags, labelled tokens and loss")
+        if issued is not None:
+            nonfinite.finish_step(sync, issued)
+        else:
+            if losses is not None:
+                self._loss_row(sync, losses)
+            device = next(iter(sync.params.values())).device
+            nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device), what=WHAT)
         agreed = flags.agreed
         loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
                                                 agreed[:, nonfinite.SCALE], self.average)
@@ -72,3 +86,12 @@ class GlobalLoss:
             if w is not None:
                 self.scale = loss_weights.next_scale(w.scale(), agreed[:, nonfinite.COUNT])
         return loss.float() if losses is not None else None
+
+    def _loss_row(self, sync, losses: list) -> None:
+        """This rank's loss, checked once, through its share (non-finite exactly when it is), beside its labelled
+        count and scale K."""
+        w = self.weights
+        share = loss_weights.step_share(losses, self.plan, self.average)
+        zero = torch.zeros_like(share)  # average=False: no count, no scale
+        sync.nonfinite.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else
+                                              [zero, share, zero])
