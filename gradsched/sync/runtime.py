@@ -22,7 +22,6 @@ buckets of the step wait in `results` for the optimizer.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 
 import weakref
@@ -64,15 +63,9 @@ class GradSync:
         self.param_shards = None  # shard="params": where the parameters live (gradsched.sync.param_shards)
         self.nonfinite = StepFlags()  # what went non-finite this step, on the device (gradsched.sync.nonfinite)
 
-    @contextlib.contextmanager
-    def step_boundary(self, last: bool):
-        """Backward passes run inside belong to the step's last micro-batch (last=True) or not."""
-        self.explicit_steps, before = True, self._last_microbatch
-        self._last_microbatch = last
-        try:
-            yield
-        finally:
-            self._last_microbatch = before
+    def step_boundary(self, last: bool) -> _StepBoundary:
+        """A context: backward passes run inside belong to the step's last micro-batch (last=True) or not."""
+        return _StepBoundary(self, last)
 
     def _ends_step(self) -> bool:
         return self._last_microbatch if self.explicit_steps else True
@@ -300,6 +293,23 @@ class GradSync:
 
     def tied_bytes_per_step(self) -> int:
         return sum(report.tied_bytes(sg.gm) for sg in self.sync_graphs())
+
+class _StepBoundary:
+    """GradSync.step_boundary's context (a plain class: entered once a micro-batch under pp > 1, where a generator's
+    context costs several times more host time)."""
+    __slots__ = ("sync", "last", "before")
+
+    def __init__(self, sync: GradSync, last: bool):
+        self.sync, self.last = sync, last
+
+    def __enter__(self):
+        self.sync.explicit_steps, self.before = True, self.sync._last_microbatch
+        self.sync._last_microbatch = self.last
+
+    def __exit__(self, *exc):
+        self.sync._last_microbatch = self.before
+        return False
+
 
 # ---- parameters whose gradient only exists as shards ------------------------------------------
 # A GradSync with shard=True leaves no .grad on its parameters: an ordinary torch.optim optimizer

@@ -24,6 +24,9 @@ SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p")
 SPLIT_BACKWARD = ("zb1p",)  # schedules that run each backward as B and W (gradsched.sync.runtime)
 
 
+_OFF = contextlib.nullcontext()
+
+
 class Timeline:
     """When `on`, the stage's work as (kind, micro-batch, start, end) in time.perf_counter() seconds: "F" a
     forward (with the loss on the last stage), "B" an inputs' backward ("BW" a whole one), "W" a weights'
@@ -31,11 +34,12 @@ class Timeline:
     def __init__(self):
         self.on, self.events = False, []
 
-    @contextlib.contextmanager
     def span(self, kind: str, microbatch: int = -1):
-        if not self.on:
-            yield
-            return
+        # off (every step but a benchmark's): one shared no-op context, not a generator a micro-batch
+        return self._span(kind, microbatch) if self.on else _OFF
+
+    @contextlib.contextmanager
+    def _span(self, kind: str, microbatch: int):
         t0 = time.perf_counter()
         try:
             yield
