@@ -139,10 +139,10 @@ def agree_step(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "th
                grads_bad: torch.Tensor | None = None) -> torch.Tensor:
     """`agree` with this rank's flags (and loss row) always: keeps every rank's row for the optimizer's step."""
     n = prefix.numel()
-    rows = _gathered(sync, torch.cat([prefix.reshape(-1).to(torch.float64), local_row(sync, grads_bad, prefix.device)]),
-                     what)
+    row = local_row(sync, grads_bad, prefix.device)
+    rows = _gathered(sync, torch.cat([prefix.reshape(-1).to(torch.float64), row]) if n else row, what)
     sync.nonfinite.agreed = rows[:, n:]
-    return _combine(rows[:, :n], op).reshape(prefix.shape)
+    return _combine(rows[:, :n], op).reshape(prefix.shape) if n else prefix  # the step's end: the row alone
 
 
 def reduced_alike(sync) -> bool:
