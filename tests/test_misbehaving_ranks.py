@@ -104,9 +104,9 @@ def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(p
 
 # ---- the pure parts --------------------------------------------------------------------------
 
-def _agreed(rows):
+def _agreed(rows, nan_flags=False):
     """[world, SLOTS] from {rank: (stage, {kind, ...})}, as the step's gather leaves them: a bad loss is a non-finite
-    loss share (its rank's row holds no loss flag)."""
+    loss share (its rank's row holds no loss flag); a flag is any nonzero (the step sets NaN: nan_flags)."""
     out = torch.zeros(len(rows), nonfinite.SLOTS, dtype=torch.float64)
     for r, (stage, kinds) in rows.items():
         out[r, 0] = stage + 1
@@ -114,7 +114,7 @@ def _agreed(rows):
             if k == nonfinite.LOSS:
                 out[r, nonfinite.SHARE] = float("nan")
             else:
-                out[r, k] = 1
+                out[r, k] = float("nan") if nan_flags else 1
     return out
 
 
@@ -144,21 +144,44 @@ def test_a_nan_global_loss_blames_the_rank_whose_loss_went_bad_or_else_the_whole
                                        loss_bad=True)
 
 
+def test_the_steps_one_read_sees_a_flag_a_loss_share_the_loss_or_the_ranks_own_gradients_go_non_finite():
+    from types import SimpleNamespace
+
+    def applied(agreed, loss=None, own=None):
+        flags = nonfinite.StepFlags()
+        flags.agreed, flags.loss, flags.own_grads = agreed, loss, own
+        try:
+            return nonfinite.check(SimpleNamespace(nonfinite=flags), "raise")
+        except nonfinite.NonFiniteError as e:
+            return str(e)
+    ok = _agreed({0: (0, set()), 1: (1, set())})
+    ok[:, nonfinite.COUNT] = 1e12  # large finite counts and scales stay finite
+    ok[:, nonfinite.SCALE] = 1e12
+    assert applied(ok, torch.tensor(3.0, dtype=torch.float64), torch.tensor(1e30, dtype=torch.float64)) is True
+    for kind in (nonfinite.FORWARD, nonfinite.LOSS, nonfinite.BACKWARD, nonfinite.GRADS):
+        assert "rank 1 (pipeline stage 1) went non-finite first, in " + nonfinite.WHAT[kind] in applied(
+            _agreed({0: (0, set()), 1: (1, {kind})}, nan_flags=True))
+    assert "in its loss" in applied(ok, torch.tensor(float("nan"), dtype=torch.float64))
+    said = applied(ok, None, torch.tensor(float("inf"), dtype=torch.float64))  # reduced alike: every rank's
+    assert "rank 0 (pipeline stage 0) went non-finite first, in its reduced gradients" in said and "[0, 1]" in said
+
+
 def test_step_flags_see_nan_and_inf_and_nothing_while_paused():
     flags = nonfinite.StepFlags()
+    set_ = lambda: [x != 0 for x in flags.bad("cpu").tolist()]  # noqa: E731 - a flag is its nonzero (NaN)
     flags.observe(nonfinite.LOSS, torch.tensor(1.0))
     with flags.paused():  # pipelining's shape inference on empty tensors
         flags.observe(nonfinite.FORWARD, torch.tensor([float("nan")]))
-    assert flags.bad("cpu").tolist() == [0, 0, 0, 0]
+    assert set_() == [False, False, False, False]
     flags.observe(nonfinite.BACKWARD, (torch.ones(3), torch.tensor([1.0, float("inf")])))
-    assert flags.bad("cpu").tolist() == [0, 0, 1, 0]
+    assert set_() == [False, False, True, False]
     # the largest finite values, in their own dtypes, many of them: still finite (a sum would overflow)
     flags.observe(nonfinite.FORWARD, (torch.full((1000,), torch.finfo(torch.float32).max),
                                       torch.full((1000,), torch.finfo(torch.bfloat16).max, dtype=torch.bfloat16)))
     flags.observe(nonfinite.FORWARD, torch.full((4,), torch.finfo(torch.float64).max, dtype=torch.float64))
     flags.observe(nonfinite.FORWARD, torch.tensor([torch.finfo(torch.float16).min, 0.0], dtype=torch.float16))
     flags.observe(nonfinite.LOSS, torch.tensor([1.0, float("-inf")]))
-    assert flags.bad("cpu").tolist() == [0, 1, 1, 0]
+    assert set_() == [False, True, True, False]
 
 
 def test_reduced_gradients_are_bad_exactly_when_an_element_is_not_finite_in_their_own_dtype():

@@ -6,8 +6,9 @@ and, at the step's end, its reduced gradients. One all-gather over every rank of
 rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
 norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows
 (a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count
-need no collective of their own (gradsched.training.loss_weights). One host read in the optimizer's step
-decides, the same on every rank: raise NonFiniteError naming where the values first went non-finite
+need no collective of their own (gradsched.training.loss_weights). A flag is NaN where set, so the sum of every
+row and the step's loss is finite exactly when nothing went non-finite: one host read of it in the optimizer's
+step decides, the same on every rank: raise NonFiniteError naming where the values first went non-finite
 (on_nonfinite="raise"), or skip the step and leave the optimizer's state untouched ("skip").
 
 Where first: activations flow forward and gradients backward, so the origin is the lowest stage whose
@@ -49,6 +50,7 @@ class StepFlags:
         self.loss_row: torch.Tensor | None = None  # [3] float64: this rank's COUNT, SHARE and SCALE, if it has a loss
         self.loss: torch.Tensor | None = None  # the step's loss, from every rank's row (ParallelModel.train_step)
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
+        self.own_grads: torch.Tensor | None = None  # finish_step: this rank's reduced gradients' marker, every rank's
         self.step = 0
         self._paused = 0
 
@@ -78,34 +80,34 @@ class StepFlags:
         return any(self.seen)
 
     def bad(self, device) -> torch.Tensor:
-        """[len(KINDS)] float64: 1 where that kind went non-finite this step, else 0."""
-        none = torch.zeros((), dtype=torch.bool, device=device)
-        # each in its own dtype, promoted by stack (the largest finite values stay finite: a sum would overflow)
-        return torch.stack([(~torch.isfinite(torch.stack(seen))).any() if seen else none
-                            for seen in self.seen]).to(torch.float64)
+        """[len(KINDS)]: NaN where that kind went non-finite this step, else 0 (a flag is its nonzero)."""
+        none = torch.zeros((), device=device)
+        # each kind's extremes times zero, summed: 0, or NaN where one was not finite (no sum of values: the
+        # largest finite ones would overflow); their dtypes promoted by stack
+        return torch.stack([(torch.stack(seen) * 0).sum() if seen else none for seen in self.seen])
 
     def reset(self) -> None:
         self.seen = [[] for _ in KINDS]
-        self.agreed, self.loss_row, self.loss = None, None, None
+        self.agreed, self.loss_row, self.loss, self.own_grads = None, None, None, None
 
 
-def local_row(sync, grads_bad: torch.Tensor | None, device) -> torch.Tensor:
-    """[SLOTS] float64, this rank's row: its stage + 1, its flags and its loss row (grads_bad: its reduced
-    gradients' flag, when the caller computed it already, e.g. from a partial norm)."""
+def local_row(sync, grads_marker: torch.Tensor | None, device) -> torch.Tensor:
+    """[SLOTS] float64, this rank's row: its stage + 1, its flags (NaN where a kind went non-finite, else 0) and
+    its loss row. grads_marker: a value finite exactly when its reduced gradients are, when the caller computed
+    one already (e.g. its partial norm); else computed here."""
     setup, flags = sync.setup, sync.nonfinite
-    if grads_bad is None:
-        grads_bad = reduced_gradients_bad(sync, device)
+    if grads_marker is None:
+        grads_marker = reduced_gradients_marker(sync, device)
     loss = flags.loss_row if flags.loss_row is not None else torch.zeros(3, dtype=torch.float64, device=device)
-    # nothing observed (a rank of one stage: its loss is checked through its share): no flags tensor to make
-    kinds = flags.bad(device) if flags.observed() else torch.zeros(len(KINDS), dtype=torch.float64, device=device)
-    row = torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), kinds,
-                     loss.to(device)])
-    row[GRADS] = torch.maximum(row[GRADS], grads_bad.to(torch.float64))
-    return row
+    # nothing observed (a rank of one stage: its loss is checked through its share): no flags to make
+    kinds = flags.bad(device)[:GRADS - 1] if flags.observed() else torch.zeros(GRADS - 1, device=device)
+    return torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), kinds,
+                      (grads_marker.to(torch.float64) * 0).reshape(1), loss.to(device)])
 
 
 @torch.no_grad()
-def reduced_gradients_bad(sync, device) -> torch.Tensor:
+def reduced_gradients_marker(sync, device) -> torch.Tensor:
+    """A float64 scalar, finite exactly when every element of this rank's reduced gradients is."""
     plan = sync.sync_plan
     grads = sync.reduced()  # shards, or whole buckets (shard=False): a few tensors, not one a parameter
     if len(grads) != len(plan.layout.buckets):
@@ -113,10 +115,14 @@ def reduced_gradients_bad(sync, device) -> torch.Tensor:
     grads = [g for g in grads if g.numel()]
     if not grads:
         return torch.zeros((), dtype=torch.float64, device=device)
-    # one pass a gradient (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5), then one test
+    # one pass a gradient (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5)
     values = [v for g in grads for v in _finite_iff_elements_are(g)]
-    values = values[0] if len(values) == 1 else torch.stack(values)
-    return (~torch.isfinite(values)).any().to(torch.float64)
+    return values[0] if len(values) == 1 else (torch.stack(values) * 0).sum()
+
+
+def reduced_gradients_bad(sync, device) -> torch.Tensor:
+    """A bool scalar: True when an element of this rank's reduced gradients is not finite."""
+    return ~torch.isfinite(reduced_gradients_marker(sync, device))
 
 
 def _finite_iff_elements_are(g: torch.Tensor) -> tuple:
@@ -127,19 +133,19 @@ def _finite_iff_elements_are(g: torch.Tensor) -> tuple:
 
 
 def agree(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
-          grads_bad: torch.Tensor | None = None) -> torch.Tensor:
+          grads_marker: torch.Tensor | None = None) -> torch.Tensor:
     """`prefix` (e.g. clip_grad_norm_'s partial norm) reduced by `op` (SUM or MAX) over every rank of the plan,
     with every rank's flags beside it unless this step's are agreed already (`agree_step`), in one collective."""
     if sync.nonfinite.agreed is not None:  # ParallelModel.train_step agreed them at its end: the prefix alone
         return _combine(_gathered(sync, prefix.reshape(-1).to(torch.float64), what), op).reshape(prefix.shape)
-    return agree_step(sync, prefix, op, what, grads_bad)
+    return agree_step(sync, prefix, op, what, grads_marker)
 
 
 def agree_step(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
-               grads_bad: torch.Tensor | None = None) -> torch.Tensor:
+               grads_marker: torch.Tensor | None = None) -> torch.Tensor:
     """`agree` with this rank's flags (and loss row) always: keeps every rank's row for the optimizer's step."""
     n = prefix.numel()
-    row = local_row(sync, grads_bad, prefix.device)
+    row = local_row(sync, grads_marker, prefix.device)
     rows = _gathered(sync, torch.cat([prefix.reshape(-1).to(torch.float64), row]) if n else row, what)
     sync.nonfinite.agreed = rows[:, n:]
     return _combine(rows[:, :n], op).reshape(prefix.shape) if n else prefix  # the step's end: the row alone
@@ -166,7 +172,7 @@ def issue_step(sync, what: str, device) -> Issued:
     its reduced gradients' flag and `reduced_alike` holds (pp 1, shard=False: after the last forward): its
     round trip then hides behind the last backward (on a first step, before any backward graph was compiled).
     `finish_step` waits for it and adds the flag."""
-    row = local_row(sync, torch.zeros((), dtype=torch.float64, device=device), device)
+    row = local_row(sync, torch.zeros((), dtype=torch.float64, device=device), device)  # its own flag: finish_step
     world = len(sync.setup.all_ranks.ranks)
     if world == 1:
         return Issued(row, None, what)
@@ -179,15 +185,14 @@ def issue_step(sync, what: str, device) -> Issued:
 
 
 def finish_step(sync, issued: Issued) -> None:
-    """Wait for `issue_step`'s gather; every row's reduced-gradient flag is this rank's own (`reduced_alike`)."""
+    """Wait for `issue_step`'s gather; every rank's reduced-gradient flag is this rank's own (`reduced_alike`),
+    kept beside the rows (`check` adds it; onto every row only to describe a bad step)."""
     if issued.work is not None:
         with JOURNAL.entry(issued.what, "collective", process_group(sync.setup.all_ranks), "all_gather",
                            issued.out.numel(), issued.out.dtype):
             issued.work.wait()
     rows = issued.out.reshape(len(sync.setup.all_ranks.ranks), -1)
-    device = rows.device
-    rows[:, GRADS] = torch.maximum(rows[:, GRADS], reduced_gradients_bad(sync, device))
-    sync.nonfinite.agreed = rows
+    sync.nonfinite.agreed, sync.nonfinite.own_grads = rows, reduced_gradients_marker(sync, rows.device)
 
 
 def _gathered(sync, row: torch.Tensor, what: str) -> torch.Tensor:
@@ -217,19 +222,27 @@ def check(sync, on_nonfinite: str) -> bool:
     if flags.agreed is None:  # no train_step (the backend by name) and no clipping: the flags gathered here
         device = next(iter(sync.params.values())).device
         agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device))
-    agreed, loss = flags.agreed, flags.loss
+    agreed, loss, own = flags.agreed, flags.loss, flags.own_grads
     flags.reset()
     if agreed.is_meta:  # the dry run (gradsched.dryrun): the reduction is priced, no value is read
         return True
-    bad = (agreed[:, FORWARD:GRADS + 1] > 0).any()
-    if loss is not None:  # the step's loss, from every rank's row: NaN too when the global batch has no label
-        bad = bad | ~torch.isfinite(loss)
-    bad = bool(bad)  # the step's one host read of a device value
+    # one number, finite exactly when the step is: every row's flags (NaN where set), counts, loss shares and
+    # scales (finite unless its loss went bad), the step's loss (NaN too when the global batch has no label)
+    # and, where every rank's reduced gradients are alike, this rank's own marker of them
+    verdict = agreed.sum()
+    if loss is not None:
+        verdict = verdict + loss
+    if own is not None:
+        verdict = verdict + own
+    bad = not bool(torch.isfinite(verdict))  # the step's one host read of a device value
     agreement.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if not bad:
         return True
     if on_nonfinite == "skip":
         return False
+    if own is not None:  # every rank's reduced gradients are this rank's (reduced_alike)
+        agreed = agreed.clone()
+        agreed[:, GRADS] += own * 0
     raise NonFiniteError(describe(agreed.cpu(), flags.step, loss is not None and not bool(torch.isfinite(loss))))
 
 
@@ -238,7 +251,7 @@ def describe(agreed: torch.Tensor, step: int, loss_bad: bool = False) -> str:
     step's loss went non-finite; where no rank's own loss share did (a global batch without a labelled token:
     0/0), the last stage's ranks are named for it."""
     # a rank's loss went non-finite where its share did (the loss is checked through it, not flagged)
-    rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] > 0} |
+    rows = {r: (int(agreed[r, 0]) - 1, {k for k in KINDS if agreed[r, k] != 0} |
                 ({LOSS} if not torch.isfinite(agreed[r, SHARE]) else set())) for r in range(len(agreed))}
     if loss_bad and not any(LOSS in kinds for _, kinds in rows.values()):
         last = max(s for s, _ in rows.values())

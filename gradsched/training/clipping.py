@@ -50,7 +50,7 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
     # the norm and the step's non-finite flags: a non-finite gradient makes this rank's partial norm non-finite,
     # so it needs no pass of its own (gradsched.sync.nonfinite)
     local = agree(sync, local, op, "clip_grad_norm_'s global norm and the step's non-finite flags",
-                  grads_bad=~torch.isfinite(local))
+                  grads_marker=local)
     total = (local.sqrt() if norm_type == 2.0 else local).float()
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     for g in sync.gradients():
