@@ -16,13 +16,17 @@ implementation:
   step_ms_median          median over the timed steps of the slowest rank's step (train_step or the
                           micro-batches' forward and backward, then optimizer step and zero_grad)
   vs_ddp                  step_ms_median / DDP's, from this run
-  host_ms_per_microbatch  the implementation's own Python per micro-batch, from the profile: the self time
-                          of its functions (gradsched/, DDP's or FSDP2's modules) and of the C calls they
-                          make directly (the tensor ops of its checks; not collectives or their waits, which
-                          block the host on gloo only), over the profiled steps' micro-batches,
-                          plus for gradsched its watchdog thread's CPU time; the largest over ranks. cProfile
-                          slows every Python call it sees: an upper bound.
+  host_ms_per_microbatch  the implementation's own Python per micro-batch, from a profile on the main thread's
+                          CPU clock: the self time of its functions (gradsched/, DDP's or FSDP2's modules) and
+                          of the C calls they make directly (the tensor ops of its checks; not collectives or
+                          their waits, which block the host on gloo only), over the profiled steps'
+                          micro-batches, plus for gradsched its watchdog thread's CPU time; the largest over
+                          ranks. cProfile slows every Python call it sees: an upper bound.
+  host_wall_ms_per_microbatch    the same on the wall clock (5 more steps): it also holds the time the process
+                          waited for a core or for the GIL, charged to whatever function ran (4 processes on
+                          2 cores: it moves with the machine's load more than with the code)
   pipelining_ms_per_microbatch   (gradsched at pp > 1) the same for torch.distributed.pipelining's schedule
+                          (and pipelining_wall_ms_per_microbatch)
   watchdog_ms_per_step    (gradsched) its watchdog thread's CPU time per step
 
 On this CPU every process shares 2 cores with the others: ratios from one run only; absolute times only from
@@ -46,7 +50,7 @@ from tiny_gpt import GPTConfig, lm_loss
 
 IMPLS = ("gradsched", "gradsched_allreduce", "ddp", "fsdp2")  # gradsched_allreduce: shard=False, as DDP reduces
 CONFIG = GPTConfig(vocab=64, seq=16, dim=64, heads=4, layers=2)
-MICROBATCHES, WARMUP, TIMED, PROFILED = 8, 4, 21, 5
+MICROBATCHES, WARMUP, TIMED, PROFILED = 8, 4, 21, 5  # PROFILED steps on each clock
 OWN = {"gradsched": ("/gradsched/",), "gradsched_allreduce": ("/gradsched/",),
        "ddp": ("torch/nn/parallel/distributed.py",),
        "fsdp2": ("torch/distributed/fsdp/",), "pipelining": ("torch/distributed/pipelining/",)}
@@ -149,19 +153,24 @@ def rank_run(rank: int, world: int, impls: list, jobs: dict, top: int = 0) -> di
             times[impl].append(step(impl, i))
     out = {}
     for impl in impls:
-        watch0, prof = watchdog_cpu_s(), cProfile.Profile()
-        prof.enable()
-        for i in range(PROFILED):
-            step(impl, WARMUP + TIMED + i)
-        prof.disable()
-        watchdog_ms = 1e3 * (watchdog_cpu_s() - watch0) / PROFILED if impl.startswith("gradsched") else 0.0
-        stats, per_mb = pstats.Stats(prof), PROFILED * MICROBATCHES
-        out[impl] = {"step_times": times[impl][WARMUP:],
-                     "own_ms_per_mb": own_ms(stats, OWN[impl]) / per_mb + watchdog_ms / MICROBATCHES,
-                     "pipelining_ms_per_mb": own_ms(stats, OWN["pipelining"]) / per_mb,
-                     "watchdog_ms_per_step": watchdog_ms,
+        # twice: on the wall clock, and on this thread's CPU clock (time.thread_time), which leaves out the time
+        # the process waited for a core or for the GIL (4 processes on 2 cores: stalls charged to whatever ran)
+        stats, watchdog_ms, per_mb = {}, 0.0, PROFILED * MICROBATCHES
+        for clock, timer in (("wall", time.perf_counter), ("cpu", time.thread_time)):
+            watch0, prof = watchdog_cpu_s(), cProfile.Profile(timer)
+            prof.enable()
+            for i in range(PROFILED):
+                step(impl, WARMUP + TIMED + i + (PROFILED if clock == "cpu" else 0))
+            prof.disable()
+            watchdog_ms += 1e3 * (watchdog_cpu_s() - watch0) / (2 * PROFILED) if impl.startswith("gradsched") else 0.0
+            stats[clock] = pstats.Stats(prof)
+        out[impl] = {"step_times": times[impl][WARMUP:], "watchdog_ms_per_step": watchdog_ms,
+                     **{f"{name}_{clock}": own_ms(stats[clock], OWN[key]) / per_mb + (
+                         watchdog_ms / MICROBATCHES if name == "own" else 0.0)
+                        for name, key in (("own", impl), ("pipelining", "pipelining")) for clock in stats},
                      "top": sorted(((f"{f[0].rsplit('/', 2)[-1]}:{f[1]}({f[2]})", ms / per_mb)
-                                    for f, ms in own_entries(stats, OWN[impl]).items()), key=lambda e: -e[1])[:top]}
+                                    for f, ms in own_entries(stats["cpu"], OWN[impl]).items()),
+                                   key=lambda e: -e[1])[:top]}
     return out
 
 
@@ -209,9 +218,11 @@ def main(argv=None) -> int:
                    "dp": args.dp if mine else world, "processes": world, "microbatches": MICROBATCHES,
                    "device": "cpu", "step_ms_median": round(step_ms, 2),
                    "vs_ddp": round(step_ms / ddp_ms, 3) if ddp_ms else None,
-                   "host_ms_per_microbatch": round(max(r["own_ms_per_mb"] for r in per_rank), 3)}
+                   "host_ms_per_microbatch": round(max(r["own_cpu"] for r in per_rank), 3),
+                   "host_wall_ms_per_microbatch": round(max(r["own_wall"] for r in per_rank), 3)}
             if mine:
-                row["pipelining_ms_per_microbatch"] = round(max(r["pipelining_ms_per_mb"] for r in per_rank), 3)
+                row["pipelining_ms_per_microbatch"] = round(max(r["pipelining_cpu"] for r in per_rank), 3)
+                row["pipelining_wall_ms_per_microbatch"] = round(max(r["pipelining_wall"] for r in per_rank), 3)
                 row["watchdog_ms_per_step"] = round(max(r["watchdog_ms_per_step"] for r in per_rank), 3)
             rows.append(row)
             emit(rows[-1:], out, append=len(rows) > 1)

@@ -74,7 +74,7 @@ class StepFlags:
         # an inf-norm on a CPU) and one op a micro-batch, tested once a step (bad), never read here
         for t in leaves:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel():
-                seen.extend(torch.aminmax(t.detach()))
+                seen.extend(torch.aminmax(t.detach() if t.requires_grad else t))
 
     def observed(self) -> bool:
         return any(self.seen)
