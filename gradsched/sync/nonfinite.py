@@ -67,7 +67,12 @@ class StepFlags:
         # no torch.no_grad() around it: its enter and exit cost more than the op below; detach() keeps it off the tape
         if self._paused:
             return
-        leaves = (tensors,) if isinstance(tensors, torch.Tensor) else torch.utils._pytree.tree_leaves(tensors)
+        if isinstance(tensors, torch.Tensor):
+            leaves = (tensors,)
+        elif isinstance(tensors, tuple) and all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+            leaves = tensors  # a stage's input gradients: a flat tuple (no pytree walk a micro-batch)
+        else:
+            leaves = torch.utils._pytree.tree_leaves(tensors)
         seen = self.seen[kind - 1]
         # the smallest and the largest element: one of them is non-finite exactly when some element was (NaN
         # propagates through min and max, neither can overflow); one fused pass a tensor (aminmax: 25x faster than
