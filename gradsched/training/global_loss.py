@@ -23,7 +23,6 @@ class GlobalLoss:
         self.scale = None  # the next step's scale K: the global count of the last step that had one (a device scalar)
         self.mb_target_shape = None
         self._ones = None  # average=False: every micro-batch's (keep, weight), made once
-        self.in_backward = False  # this step's losses are loss_fn's own, weighted in the backward (eager)
 
     def begin(self, targets: torch.Tensor, m: int) -> None:
         """The last stage's step begins: its micro-batches' weights, scaled by the previous step's global count
@@ -31,22 +30,20 @@ class GlobalLoss:
         if not self.average:
             return
         counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
-        self.mb_target_shape, self.in_backward = targets.chunk(m)[0].shape, False
+        self.mb_target_shape = targets.chunk(m)[0].shape
         scale = self.scale if self.scale is not None else loss_weights.global_count(counts, self.plan)
         self.weights = loss_weights.StepWeights(counts, scale, self.plan)
 
     def __call__(self, out, target, index: int | None = None):
-        """Micro-batch `index`'s loss (the schedule says which): loss_fn's own value, its gradient weighted in the
-        backward (loss_weights.weighted_in_backward), its value at the step's end. Pipelining computes one extra
-        loss on its first step, on empty tensors, kept by no one: weighted as it is computed, from its own targets."""
+        """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
+        extra loss on its first step, on empty tensors: counted from its own targets)."""
         if self.weights is None:
             return self.loss_fn(out, target)
         if index is None or target.shape != self.mb_target_shape:
             return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
                                          self.ignore_index)
-        self.in_backward = True  # loss_fn's own value: weighted at the step's end (_loss_row)
         keep, weight = self.weights(index, out.dtype if isinstance(out, torch.Tensor) else torch.float64)
-        return loss_weights.weighted_in_backward(self.loss_fn, out, target, keep, weight)
+        return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
     def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch `index`'s (keep, weight) for a loss computed in the stage's graph
@@ -94,7 +91,7 @@ class GlobalLoss:
         """This rank's loss, checked once, through its share (non-finite exactly when it is), beside its labelled
         count and scale K."""
         w = self.weights
-        share = loss_weights.step_share(losses, self.plan, self.average, w if self.in_backward else None)
+        share = loss_weights.step_share(losses, self.plan, self.average)
         zero = torch.zeros_like(share)  # average=False: no count, no scale
         sync.nonfinite.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else
                                               [zero, share, zero])

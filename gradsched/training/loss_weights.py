@@ -59,7 +59,6 @@ class StepWeights:
     def __init__(self, counts: torch.Tensor, total: torch.Tensor, plan: ParallelPlan):
         self.counts, self.total, self.group = counts, total, len(plan.group_ranks("grad"))
         self.parts, self.scaled = {}, False  # dtype -> every micro-batch's (keep, weight)
-        self._every = None
 
     def scale(self) -> torch.Tensor:
         """K as a plain tensor, at least 1 (a first step without a label would otherwise weigh every later one by
@@ -68,19 +67,13 @@ class StepWeights:
             self.total, self.scaled = settled(self.total).clamp(min=1.0), True
         return self.total
 
-    def every(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """[m] (keep, weight) of every micro-batch, the weights in float64."""
-        if self._every is None:
-            self._every = self.counts > 0, self.counts * self.group / self.scale()
-        return self._every
-
     def __call__(self, i: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch i's (keep, weight), each of shape [1] (what a compiled graph takes: GlobalLoss.gate), the
-        weight in `dtype` (the output's, eagerly): made for every micro-batch at once, no op a micro-batch."""
+        weight in `dtype` (the loss's, eagerly): made for every micro-batch at once, no op a micro-batch."""
         parts = self.parts.get(dtype)
         if parts is None:
-            keep, weights = self.every()
-            parts = self.parts[dtype] = list(zip(keep.split(1), weights.to(dtype).split(1)))
+            weights = (self.counts * self.group / self.scale()).to(dtype)
+            parts = self.parts[dtype] = list(zip((self.counts > 0).split(1), weights.split(1)))
         return parts[i]
 
 
@@ -95,24 +88,6 @@ def _zero_where_not(keep: torch.Tensor):
     """A gradient hook: the gradient where `keep`, exact zeros elsewhere (a loss over no labelled element is 0/0, and
     so may its gradient be: NaN must not reach the model's gradients)."""
     return lambda grad: torch.where(keep, grad, 0.0)
-
-
-def _scaled_where(keep: torch.Tensor, weight: torch.Tensor):
-    """A gradient hook: the gradient times `weight` where `keep`, exact zeros elsewhere."""
-    return lambda grad: torch.where(keep, grad * weight, 0.0)
-
-
-def weighted_in_backward(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor):
-    """loss_fn(out, target) itself, its gradient at `out` times `weight` where `keep` and exact zeros elsewhere (a
-    hook on each output leaf: `out` is the model's output for this loss alone). Eagerly, no op of the gate or the
-    weight in the forward and two in the backward (a weighted loss's where and multiply cost four, in each pass);
-    the loss's value is weighted with the step's others at its end (`step_share` with the step's weights)."""
-    def gate(t):
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            t.register_hook(_scaled_where(keep, weight))
-        return t
-    gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
-    return loss_fn(out, target)
 
 
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
@@ -144,16 +119,11 @@ def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor, in_gra
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0).reshape(loss.shape)
 
 
-def step_share(losses: list, plan: ParallelPlan, average: bool, weights: StepWeights | None = None) -> torch.Tensor:
+def step_share(losses: list, plan: ParallelPlan, average: bool) -> torch.Tensor:
     """This rank's share of the step's loss, from its (weighted) micro-batch losses, in float64: times K / N
     (`step_result`) and summed over the ranks, the mean over the global batch's labelled tokens (or the sum).
-    `weights`: the losses are loss_fn's own (`weighted_in_backward`), weighted here. Non-finite exactly when a
-    weighted loss is: the step's one check of its losses."""
-    loss = torch.stack([x.detach() for x in losses])
-    if weights is not None:
-        keep, w = weights.every()
-        loss = torch.where(keep, loss * w, 0.0)
-    loss = loss.sum().to(torch.float64)
+    Non-finite exactly when one of the losses is: the step's one check of its losses."""
+    loss = torch.stack([x.detach() for x in losses]).sum().to(torch.float64)
     return loss / len(plan.group_ranks("grad")) if average else loss
 
 
