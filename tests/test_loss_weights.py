@@ -125,6 +125,38 @@ def test_the_gate_in_a_compiled_graph_gives_exact_zeros_even_where_the_users_los
     torch.testing.assert_close(out.grad, ref_out.grad, rtol=1e-6, atol=0)
 
 
+def test_the_eager_gate_takes_any_output_a_leaf_used_twice_or_a_0_d_one_and_weighs_the_loss_once():
+    """An output that is a tuple, one of whose tensors feeds the other and another 0-d (an auxiliary loss); and a
+    leaf output reused by the next micro-batch (a received buffer returned as is): gradients are the weighted
+    loss's, as without the gate, and a gated-off micro-batch leaves the next one's gradient whole."""
+    leaf = torch.randn(2, 3, 4, requires_grad=True)
+    aux = torch.tensor(0.25, requires_grad=True)
+    target = torch.tensor([[1, -100, 2], [-100, 0, 3]])
+
+    def loss_fn(out, t):
+        hidden, logits, extra = out
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), t.flatten()) + hidden.sum() * 0 + extra
+
+    def outputs():
+        hidden = leaf * 2
+        return hidden, hidden + 1, aux * 3
+    for keep, weight in ((torch.tensor([True]), torch.tensor([0.5], dtype=torch.float64)),
+                         (torch.tensor([False]), torch.tensor([0.0], dtype=torch.float64))):
+        leaf.grad = aux.grad = None
+        loss = gated(loss_fn, outputs(), target, keep, weight)
+        loss.backward()
+        got = leaf.grad.clone(), aux.grad.clone()
+        leaf.grad = aux.grad = None
+        (loss_fn(outputs(), target) * (0.5 if keep else 0.0)).backward()
+        assert torch.equal(loss.detach(), (loss_fn(outputs(), target) * 0.5).detach() if keep else torch.zeros(()))
+        assert torch.equal(got[0], leaf.grad) and torch.equal(got[1], aux.grad)
+    # the same leaf gated off, then kept: the kept micro-batch's gradient is whole
+    leaf.grad = None
+    gated(lambda o, t: o.sum(), leaf, target, torch.tensor([False]), torch.tensor([0.0], dtype=torch.float64)).backward()
+    gated(lambda o, t: o.sum(), leaf, target, torch.tensor([True]), torch.tensor([1.0], dtype=torch.float64)).backward()
+    assert torch.equal(leaf.grad, torch.ones_like(leaf))
+
+
 def test_a_loss_that_cannot_be_compiled_whole_runs_eagerly_with_a_warning_and_the_same_gradients():
     import warnings
 

@@ -4,11 +4,13 @@ During a step each rank notes on the device, never reading it, whether what it p
 its stage's forward output (what it sends on), its loss, its stage's input gradients (what it sends back)
 and, at the step's end, its reduced gradients. One all-gather over every rank of the plan carries every
 rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
-norm in front when none ran). The last stage's ranks add their loss's labelled count and share to their rows
+norm in front when none ran); where every rank's reduced gradients are alike (`reduced_alike`: pp 1,
+shard=False) it is issued before the last backward instead, and each rank's own reduced-gradient marker is
+every rank's. The last stage's ranks add their loss's labelled count and share to their rows
 (a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count
 need no collective of their own (gradsched.training.loss_weights). A flag is NaN where set, so the sum of every
-row and the step's loss is finite exactly when nothing went non-finite: one host read of it in the optimizer's
-step decides, the same on every rank: raise NonFiniteError naming where the values first went non-finite
+row, the step's loss (and the own marker, `reduced_alike`) is finite exactly when nothing went non-finite: one
+host read of it in the optimizer's step decides, the same on every rank: raise NonFiniteError naming where the values first went non-finite
 (on_nonfinite="raise"), or skip the step and leave the optimizer's state untouched ("skip").
 
 Where first: activations flow forward and gradients backward, so the origin is the lowest stage whose
@@ -197,7 +199,10 @@ def finish_step(sync, issued: Issued) -> None:
                            issued.out.numel(), issued.out.dtype):
             issued.work.wait()
     rows = issued.out.reshape(len(sync.setup.all_ranks.ranks), -1)
-    sync.nonfinite.agreed, sync.nonfinite.own_grads = rows, reduced_gradients_marker(sync, rows.device)
+    own = reduced_gradients_marker(sync, rows.device)
+    if len(sync.reduced()) != len(sync.sync_plan.layout.buckets):  # it read local gradients, not reduced ones:
+        own = _gathered(sync, (own * 0).reshape(1), issued.what).sum()  # they may differ, so agree on them
+    sync.nonfinite.agreed, sync.nonfinite.own_grads = rows, own
 
 
 def _gathered(sync, row: torch.Tensor, what: str) -> torch.Tensor:

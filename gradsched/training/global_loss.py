@@ -42,7 +42,7 @@ class GlobalLoss:
         if index is None or target.shape != self.mb_target_shape:
             return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
                                          self.ignore_index)
-        keep, weight = self.weights(index, out.dtype if isinstance(out, torch.Tensor) else torch.float64)
+        keep, weight = self.weights(index)  # float64: cast to the loss's dtype (a bf16 output's loss may be fp32)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
     def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -58,7 +58,7 @@ class StepWeights:
 
     def __init__(self, counts: torch.Tensor, total: torch.Tensor, plan: ParallelPlan):
         self.counts, self.total, self.group = counts, total, len(plan.group_ranks("grad"))
-        self.parts, self.scaled = {}, False  # dtype -> every micro-batch's (keep, weight)
+        self.parts, self.scaled = None, False  # every micro-batch's (keep, weight)
 
     def scale(self) -> torch.Tensor:
         """K as a plain tensor, at least 1 (a first step without a label would otherwise weigh every later one by
@@ -67,14 +67,12 @@ class StepWeights:
             self.total, self.scaled = settled(self.total).clamp(min=1.0), True
         return self.total
 
-    def __call__(self, i: int, dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Micro-batch i's (keep, weight), each of shape [1] (what a compiled graph takes: GlobalLoss.gate), the
-        weight in `dtype` (the loss's, eagerly): made for every micro-batch at once, no op a micro-batch."""
-        parts = self.parts.get(dtype)
-        if parts is None:
-            weights = (self.counts * self.group / self.scale()).to(dtype)
-            parts = self.parts[dtype] = list(zip((self.counts > 0).split(1), weights.split(1)))
-        return parts[i]
+        weight in float64 (cast to the loss's own dtype where it is applied): made for every micro-batch at once."""
+        if self.parts is None:
+            self.parts = list(zip((self.counts > 0).split(1), (self.counts * self.group / self.scale()).split(1)))
+        return self.parts[i]
 
 
 def settled(total: torch.Tensor) -> torch.Tensor:
@@ -84,10 +82,21 @@ def settled(total: torch.Tensor) -> torch.Tensor:
     return total.wait() if isinstance(total, funcol.AsyncCollectiveTensor) else total
 
 
-def _zero_where_not(keep: torch.Tensor):
-    """A gradient hook: the gradient where `keep`, exact zeros elsewhere (a loss over no labelled element is 0/0, and
-    so may its gradient be: NaN must not reach the model's gradients)."""
-    return lambda grad: torch.where(keep, grad, 0.0)
+class _GradientUnless(torch.autograd.Function):
+    """Identity forward; backward passes the gradient where `keep`, exact zeros elsewhere (a loss over no
+    labelled element is 0/0, and so may its gradient be: NaN must not reach the model's gradients). A Function,
+    not a hook on the output: a hook would stay on a leaf output reused across micro-batches (a received buffer
+    returned as is), and change a 0-d output's gradient's shape."""
+
+    @staticmethod
+    def forward(ctx, t, keep):
+        ctx.save_for_backward(keep)
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        keep, = ctx.saved_tensors
+        return torch.where(keep, grad, 0.0).reshape(grad.shape), None
 
 
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
@@ -105,15 +114,11 @@ def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor, in_gra
 
     in_graph (traced into a compiled graph): the gate is a `where` between the output and its detached self (the
     same value forward; backward the gradient where `keep`, exact zeros elsewhere, NaN included), which Inductor
-    fuses; eagerly that `where` would copy the model's output, so the eager gate is a hook on its gradient (`out` is
-    the model's output for this loss alone)."""
+    fuses; eagerly that `where` would copy the model's output, so the eager gate is an autograd Function."""
     def gate(t):
         if not (isinstance(t, torch.Tensor) and t.requires_grad):
             return t
-        if in_graph:
-            return torch.where(keep, t, t.detach())
-        t.register_hook(_zero_where_not(keep))
-        return t
+        return torch.where(keep, t, t.detach()) if in_graph else _GradientUnless.apply(t, keep)
     gated_out = gate(out) if isinstance(out, torch.Tensor) else torch.utils._pytree.tree_map(gate, out)
     loss = loss_fn(gated_out, target)  # 0/0 on an empty micro-batch: the where gives exact zero instead
     return torch.where(keep, loss * weight.to(loss.dtype), 0.0).reshape(loss.shape)
