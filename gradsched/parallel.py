@@ -69,7 +69,8 @@ class ParallelModel:
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
                            self.options.fault_timeout_s, self.options.compile_timeout_s)
         self._shapes = None  # under pp > 1: the micro-batch shapes the stages were built for
-        self.global_loss = GlobalLoss(loss_fn, plan, self.options.average, ignore_index)
+        self.global_loss = GlobalLoss(loss_fn, plan, self.options.average, ignore_index,
+                                      self.options.compiler if plan.pp > 1 else "eager")
         self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self._replicas_equal = False
         if plan.pp == 1:

@@ -189,3 +189,35 @@ def test_a_loss_that_cannot_be_compiled_whole_runs_eagerly_with_a_warning_and_th
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
     finally:
         dist.destroy_process_group()
+
+
+def test_the_last_stages_loss_compiled_by_inductor_gives_the_eager_losses_and_gradients_and_falls_back_with_a_warning():
+    """pp > 1: GlobalLoss weighs each micro-batch's loss in one Inductor graph; an empty micro-batch still gives
+    exact zeros, and a loss_fn Dynamo cannot trace whole runs eagerly, with a warning, to the same values."""
+    import warnings
+
+    from gradsched.training.global_loss import GlobalLoss
+
+    def with_a_graph_break(out, target):
+        torch._dynamo.graph_break()
+        return masked_mean(out, target)
+
+    targets = torch.tensor([[1, -100, 2], [-100, -100, -100], [3, 0, -100]])  # the second micro-batch: no label
+    outs = torch.randn(3, 3, 1, dtype=torch.float64)
+    for loss_fn, warns in ((masked_mean, False), (with_a_graph_break, True)):
+        compiled, eager = (GlobalLoss(loss_fn, OneRank(), True, -100, compiler) for compiler in ("inductor", "eager"))
+        for gl in (compiled, eager):
+            gl.begin(targets, 3)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for i in range(3):
+                got_out, ref_out = (outs[i:i + 1].clone().requires_grad_() for _ in range(2))
+                got, ref = compiled(got_out, targets[i:i + 1], i), eager(ref_out, targets[i:i + 1], i)
+                got.backward()
+                ref.backward()
+                torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+                torch.testing.assert_close(got_out.grad, ref_out.grad, rtol=1e-12, atol=0)
+                if i == 1:
+                    assert torch.equal(got.detach(), torch.zeros_like(got)) and not got_out.grad.any()
+        assert any("loss_fn could not be compiled" in str(w.message) for w in seen) == warns
+        assert (compiled._compiled is None) == warns  # the fallback is for good: no retrace a micro-batch

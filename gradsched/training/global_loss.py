@@ -7,6 +7,8 @@ loss, and the factor that turns the reduced gradients into the global mean's, co
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from gradsched.plan import ParallelPlan
@@ -17,8 +19,10 @@ WHAT = "the step's non-finite flags, labelled tokens and loss"
 
 
 class GlobalLoss:
-    def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int):
+    def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int, compiler: str = "eager"):
         self.loss_fn, self.plan, self.average, self.ignore_index = loss_fn, plan, average, ignore_index
+        # pp > 1: the last stage's weighted loss as one compiled graph (Inductor), or None: eagerly, op by op
+        self._compiled = _compiled_gated(loss_fn) if compiler == "inductor" else None
         self.weights = None  # this step's micro-batch weights (loss_weights.StepWeights), on the last stage
         self.scale = None  # the next step's scale K: the global count of the last step that had one (a device scalar)
         self.mb_target_shape = None
@@ -43,6 +47,14 @@ class GlobalLoss:
             return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
                                          self.ignore_index)
         keep, weight = self.weights(index)  # float64: cast to the loss's dtype (a bf16 output's loss may be fp32)
+        if self._compiled is not None:
+            try:
+                return self._compiled(out, target, keep, weight)
+            except torch._dynamo.exc.Unsupported as e:  # refused while tracing, before anything ran
+                self._compiled = None
+                warnings.warn(f"gradsched: loss_fn could not be compiled ({str(e).splitlines()[0]}); it runs "
+                              "eagerly after the last stage's graph, op by op (more host time per micro-batch). "
+                              "Make it traceable by torch.compile(fullgraph=True) to remove that.", stacklevel=2)
         return loss_weights.gated(self.loss_fn, out, target, keep, weight)
 
     def gate(self, index: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,3 +107,12 @@ class GlobalLoss:
         zero = torch.zeros_like(share)  # average=False: no count, no scale
         sync.nonfinite.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else
                                               [zero, share, zero])
+
+
+def _compiled_gated(loss_fn):
+    """loss_weights.gated over `loss_fn`, traced whole and compiled by Inductor (its gate a fused `where`): one
+    graph a micro-batch instead of ~10 eager ops and an autograd Function, forward and backward. The shapes are
+    the same every step under pp > 1 (ParallelModel checks them)."""
+    def gated_loss(out, target, keep, weight):
+        return loss_weights.gated(loss_fn, out, target, keep, weight, in_graph=True)
+    return torch.compile(gated_loss, backend="inductor", fullgraph=True, dynamic=False)

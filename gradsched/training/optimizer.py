@@ -63,6 +63,9 @@ class DistributedOptimizer:
         self.masters: list[torch.nn.Parameter] = []  # their fp32 master copies, in the same order
         self.restore_from = None  # restore_from(optimizer, sync): gradsched.load sets it, the build calls it
         self.skipped_steps = 0  # steps not applied: their gradients went non-finite (on_nonfinite="skip")
+        # per bucket, what the parameter all-gather reads and writes (or, one shard a bucket, the parameters'
+        # pieces written directly), made at the first step after each build
+        self._gathers = None
 
     @property
     def sync(self):
@@ -89,6 +92,7 @@ class DistributedOptimizer:
         sync = self.sync
         plan, params = sync.sync_plan, sync.params
         options = self._options(sync)
+        self._gathers = None
         if not plan.shard:
             self.optimizer = self.optimizer_class(_groups(list(params), options, params.__getitem__), **self.kwargs)
             self._restore(sync)
@@ -154,28 +158,23 @@ class DistributedOptimizer:
         in the plan's gather dtype (the parameters' own: bf16 is half the bytes of fp32), all-gathered."""
         plan, params = sync.sync_plan, sync.params
         pg, shards = process_group(plan.grad_group), len(plan.grad_group.ranks)
-        if shards == 1 and all(params[pc.name].is_contiguous() for pc in self.pieces):
-            # this rank holds every piece: written straight into the parameters (a gather would copy each bucket
-            # three times: half of a pp-only step's optimizer time on a CPU)
-            torch._foreach_copy_([params[pc.name].detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces],
-                                 self.masters)
+        if self._gathers is None:  # made once a build: views and buffers made every step cost host time
+            if shards == 1 and all(params[pc.name].is_contiguous() for pc in self.pieces):
+                # this rank holds every piece: written straight into the parameters (a gather would copy each
+                # bucket three times: half of a pp-only step's optimizer time on a CPU)
+                self._gathers = [params[pc.name].detach().view(-1)[pc.lo:pc.hi] for pc in self.pieces]
+            else:
+                self._gathers = _gather_buffers(plan, params, self.pieces, self.masters, shards)
+        if self._gathers and isinstance(self._gathers[0], torch.Tensor):  # the direct writes
+            torch._foreach_copy_(self._gathers, self.masters)
             return
-        by_bucket = {}
-        for pc, master in zip(self.pieces, self.masters):
-            by_bucket.setdefault(pc.bucket, []).append((pc, master))
-        for b, dtype in zip(plan.layout.buckets, plan.gather_dtypes):
-            device = params[b.slots[0].name].device
-            mine = torch.zeros(b.shard_numel(shards), dtype=dtype, device=device)  # padding stays zero
-            pieces = by_bucket.get(b.index, [])
-            if pieces:  # one call for the bucket's pieces (a copy each, cast to the gather dtype): host time
-                torch._foreach_copy_([mine[pc.at:pc.at + pc.numel] for pc, _ in pieces], [m for _, m in pieces])
-            full = torch.empty(b.numel, dtype=dtype, device=device)
-            with JOURNAL.entry(f"the optimizer's parameter all-gather, bucket {b.index}", "collective", pg,
-                               "all_gather", b.numel, dtype):
-                _all_gather(full, mine, pg)
-            slots = [params[s.name] for s in b.slots]
-            torch._foreach_copy_(slots, [full[s.offset:s.offset + s.numel].view(p.shape)
-                                         for s, p in zip(b.slots, slots)])
+        for g in self._gathers:
+            if g.sources:  # one call for the bucket's pieces (a copy each, cast to the gather dtype)
+                torch._foreach_copy_(g.pieces, g.sources)
+            with JOURNAL.entry(f"the optimizer's parameter all-gather, bucket {g.index}", "collective", pg,
+                               "all_gather", g.full.numel(), g.full.dtype):
+                _all_gather(g.full, g.mine, pg)
+            torch._foreach_copy_(g.slots, g.views)
 
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:
@@ -194,6 +193,29 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state):
         self.state_dict()  # the same answer
+
+
+class _BucketGather:
+    """One bucket's parameter all-gather, its buffers and views made once (the masters and parameters are
+    fixed until the optimizer is built again): this rank's shard in the gather dtype (`mine`, its padding zero),
+    the gathered bucket (`full`), and the copies into and out of them."""
+    def __init__(self, b, dtype, shards: int, pieces: list, params: dict):
+        device = params[b.slots[0].name].device
+        self.index = b.index
+        self.mine = torch.zeros(b.shard_numel(shards), dtype=dtype, device=device)  # padding stays zero
+        self.full = torch.empty(b.numel, dtype=dtype, device=device)
+        self.pieces = [self.mine[pc.at:pc.at + pc.numel] for pc, _ in pieces]
+        self.sources = [m for _, m in pieces]
+        self.slots = [params[s.name] for s in b.slots]
+        self.views = [self.full[s.offset:s.offset + s.numel].view(p.shape) for s, p in zip(b.slots, self.slots)]
+
+
+def _gather_buffers(plan, params: dict, pieces: list, masters: list, shards: int) -> list[_BucketGather]:
+    by_bucket = {}
+    for pc, master in zip(pieces, masters):
+        by_bucket.setdefault(pc.bucket, []).append((pc, master))
+    return [_BucketGather(b, dtype, shards, by_bucket.get(b.index, []), params)
+            for b, dtype in zip(plan.layout.buckets, plan.gather_dtypes)]
 
 
 def _master(shards, pc, params) -> torch.Tensor:
