@@ -18,7 +18,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from gradsched.sync.compile import compile_graph
 from gradsched.sync.replicas import make_tensors_equal
-from gradsched.sync.runtime import sync_of
+from gradsched.sync.owners import sync_of
 from gradsched.options import SyncOptions
 from gradsched.sync.watchdog import JOURNAL
 
@@ -75,7 +75,7 @@ def _sync_for_backend_by_name(plan, options: dict, params):
     """The GradSync of torch.compile(model, backend="gradsched", options=...): one per model, reused
     by recompiles. Alone, the backend sees single backward passes, so it takes only what it can
     run right: one stage, every backward ending a step, the reductions inside it."""
-    from gradsched.sync.runtime import GradSync, sync_of
+    from gradsched.sync.runtime import GradSync
     from gradsched.sync.stage_setup import setup_stage
     if plan is None:
         raise ValueError('backend="gradsched" needs options={"plan": gradsched.ParallelPlan.from_world(...)} '

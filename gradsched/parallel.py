@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from gradsched.backend import gradsched_backend
-from gradsched.cp.layout import check_takes_seq_idx
+from gradsched.cp.layout import check_takes_seq_idx, model_inputs
 from gradsched.options import SyncOptions
 from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
                                       hf_checkpointed_layers, release_other_stages, warn_checkpointing_dropped)
@@ -36,7 +36,10 @@ from gradsched.sync.watchdog import JOURNAL, configure as configure_watchdog, is
 from gradsched.sync.ties import check_one_copy_per_stage, shared_parameters, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
 from gradsched.training.global_loss import GlobalLoss
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, Timeline, pipeline_schedule, resolve_schedule
+from gradsched.training.pipeline_schedule import (SPLIT_BACKWARD, Timeline, pipeline_schedule, resolve_schedule,
+                                                  stage_placement)
+from gradsched.training.virtual_stages import (RankStages, local_stages, merge_local_ties, refuse_with_several_stages,
+                                               stage_ranks)
 from gradsched.training.materialize import check_init, deferred_init, materialize
 from gradsched.user_errors import StageError, check_split_points, in_stage, in_user_code, own_error, root_cause
 
@@ -44,13 +47,19 @@ from gradsched.user_errors import StageError, check_split_points, in_stage, in_u
 
 class ParallelModel:
     def __init__(self, model: nn.Module, plan: ParallelPlan, loss_fn, split_points=(), schedule="auto",
-                 ties=None, fullgraph=True, ignore_index=-100, init_weights=None, init_seed=0, **options):
-        if plan.pp > 1 and len(split_points) != plan.pp - 1:
-            raise ValueError(f"pp={plan.pp} needs {plan.pp - 1} split_points (module names that begin a "
-                             f"stage, e.g. ['blocks.1']), got {list(split_points)}.")
+                 ties=None, fullgraph=True, ignore_index=-100, init_weights=None, init_seed=0, stages_per_rank=None,
+                 **options):
         self.model, self.plan, self.loss_fn = model, plan, loss_fn
         self.options = SyncOptions.from_dict(options)
         schedule = resolve_schedule(schedule, plan.pp, self.options.microbatches)
+        self.stages_per_rank, self.placement_style = stage_placement(schedule, stages_per_rank)
+        self.num_stages = plan.pp * self.stages_per_rank
+        if plan.pp > 1 and len(split_points) != self.num_stages - 1:
+            raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={self.stages_per_rank}' * (self.stages_per_rank > 1)}"
+                             f" needs {self.num_stages - 1} split_points (module names that begin a stage, e.g. "
+                             f"['blocks.1']), got {list(split_points)}.")
+        # the pipeline stages this rank holds (one, or several under stages_per_rank)
+        self.local = local_stages(plan.stage, plan.pp, self.stages_per_rank, self.placement_style)
         check_split_points(model, split_points)
         if self.options.load_balance == "documents" and plan.cp > 1:
             check_takes_seq_idx(model)
@@ -61,6 +70,8 @@ class ParallelModel:
                              "use shard=True).")
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self._init = deferred_init(model, init_weights, init_seed)  # a model on meta: allocated per stage at step 1
+        if self.stages_per_rank > 1:
+            refuse_with_several_stages(self.options, plan, self._init is not None)
         self.within_module_ties = shared_parameters(model)
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
@@ -92,35 +103,8 @@ class ParallelModel:
         self._loss_in_graph = None  # decided by the first micro-batch (_microbatch_loss)
 
     def _shard_sequence(self, inputs, targets, positions=None, attention_mask=None):
-        """Model inputs as a tuple; under context parallelism, this rank's slice of the sequence.
-
-        The model gets (tokens), (tokens, positions) or (tokens, positions, attention_mask):
-        under context parallelism each rank holds non-contiguous chunks, so positions come in
-        explicitly (learned or rotary embeddings read them; packed documents restart them).
-        Under load_balance="documents" it gets (tokens, positions, attention_mask, seq_idx): each
-        row reordered so every rank holds a share of every document (gradsched.cp.layout.
-        balance_documents), and seq_idx says which document each token is in. attention_mask is
-        then all ones where none was given (a pipeline split drops an input passed as None, and
-        seq_idx would take its place).
-        """
-        for name, t in (("positions", positions), ("attention_mask", attention_mask)):
-            if t is not None and tuple(t.shape) != tuple(inputs.shape[:2]):
-                raise ValueError(f"train_step: {name} has shape {tuple(t.shape)}, and the inputs "
-                                 f"{tuple(inputs.shape[:2])}. Pass one per token, [batch, sequence].")
-        if positions is None and (self.plan.cp > 1 or attention_mask is not None):
-            positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[:2])
-        args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
-        if self.plan.cp == 1:
-            return args, targets
-        from gradsched.cp.layout import balance_documents, shard
-        cp, (_, _, r), lb = self.plan.cp, self.plan.coords(), self.options.load_balance
-        if lb == "documents":
-            if attention_mask is None:
-                attention_mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
-            seq_idx, inputs, targets, positions, attention_mask = balance_documents(
-                positions, cp, inputs, targets, positions, attention_mask)
-            args = (inputs, positions, attention_mask, seq_idx)
-        return tuple(shard(t, cp, r, 1, bool(lb)) for t in args), shard(targets, cp, r, 1, bool(lb))
+        """Model inputs as a tuple, this rank's slice of the sequence under CP (gradsched.cp.layout.model_inputs)."""
+        return model_inputs(self.plan, self.options.load_balance, inputs, targets, positions, attention_mask)
 
     def split(self, microbatch: tuple):
         """Split the model into pp stages at `split_points` (torch.distributed.pipelining, traced on one
@@ -150,18 +134,42 @@ class ParallelModel:
             raise err from e
         check_first_stage_inputs(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
-        for stage in range(self.plan.pp):
+        for stage in range(self.num_stages):
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
         return pipe, ties, checkpointed
 
     def build_stage(self, pipe, ties, checkpointed) -> None:
         """Compile this rank's stage of a split (from `split`, here or in another ParallelModel of the same
         model: the dry run splits once for every role)."""
+        if self.stages_per_rank > 1:
+            return self._build_several(pipe, ties, checkpointed)
         stage_module = pipe.get_stage_module(self.plan.stage)
         lost = checkpoint_stage_modules(stage_module, self.model, checkpointed + hf_checkpointed_layers(self.model))
         if lost:
             warn_checkpointing_dropped(len(lost), self.plan.pp)
         self._build(ties, stage_module)
+
+    def _build_several(self, pipe, ties, checkpointed) -> None:
+        """Several stages a rank: each compiled on its own, one GradSync over them all; a tie whose copies sit on
+        this rank made one Parameter (gradsched.training.virtual_stages)."""
+        modules = {s: pipe.get_stage_module(s) for s in self.local}
+        calls = checkpointed + hf_checkpointed_layers(self.model)
+        lost = sum(len(checkpoint_stage_modules(m, self.model, calls)) for m in modules.values())
+        if lost:
+            warn_checkpointing_dropped(lost, self.plan.pp)
+        ranks = stage_ranks(self.plan.pp, self.stages_per_rank, self.placement_style)
+        across, merged = merge_local_ties(modules, ties, ranks)
+        self.ties = ties
+        setup = setup_stage(self.plan, self.options, across, aliases=self.within_module_ties)
+        self.grad_sync = GradSync(setup, self.options, explicit_steps=True,
+                                  split_backward=self.schedule_name in SPLIT_BACKWARD,
+                                  canonical={n: names[0] for names in merged for n in names})
+        backend = functools.partial(gradsched_backend, grad_sync=self.grad_sync, plan=self.plan)
+        self.stage_module = RankStages([modules[s] for s in self.local])
+        self.stages = [(s, torch.compile(modules[s], fullgraph=self.fullgraph, backend=backend), modules[s])
+                       for s in self.local]
+        self.module = self.stages[0][1]
+        self._loss_in_graph = None
 
     def allocate(self, inputs, targets, positions=None, attention_mask=None) -> None:
         """A model built on meta: allocate and initialize this rank's stage for batches like these (the first
@@ -185,14 +193,15 @@ class ParallelModel:
     def _build_pipeline(self, microbatch: tuple):
         meta = self._init is not None  # split on meta copies of the micro-batch: only this rank's stage is allocated
         self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
-        agree_stage_boundaries(self.stage_module, self.plan)  # before anything is sent: a mismatch named at its source
+        if self.stages_per_rank == 1:  # before anything is sent: a mismatch named at its source
+            agree_stage_boundaries(self.stage_module, self.plan)
         self._init = materialize(self.stage_module, microbatch[0].device, self._init)
         release_other_stages(self.model, self.stage_module)  # the other stages' weights: not this rank's to keep
         self._make_replicas_equal()
         device = next(self.module.parameters()).device  # the stage runs where its weights are
-        self.schedule = pipeline_schedule(self.schedule_name, self.module, self.stage_module, self.plan, self.grad_sync,
-                                          self.options.microbatches, device,
-                                          self.global_loss, self.timeline)
+        stages = self.stages if self.stages_per_rank > 1 else [(self.plan.stage, self.module, self.stage_module)]
+        self.schedule = pipeline_schedule(self.schedule_name, stages, self.num_stages, self.plan, self.grad_sync,
+                                          self.options.microbatches, device, self.global_loss, self.timeline)
 
     def train_step(self, inputs, targets, positions=None, attention_mask=None):
         """Forward and backward over this rank's batch (split into micro-batches), gradients reduced.
@@ -224,7 +233,7 @@ class ParallelModel:
         inputs, targets = self._shard_sequence(inputs, targets, positions, attention_mask)
         if self.plan.pp > 1:
             self._check_same_shapes(inputs, targets)
-        last_stage = self.plan.stage == self.plan.pp - 1
+        last_stage = self.num_stages - 1 in self.local
         if last_stage:
             self.global_loss.begin(targets, m)
         if self.plan.pp == 1:
@@ -244,7 +253,7 @@ class ParallelModel:
         else:
             if self.module is None:
                 self._build_pipeline(tuple(t.chunk(m)[0] for t in inputs))
-            first, losses, issued = self.plan.stage == 0, [], None
+            first, losses, issued = 0 in self.local, [], None
             self.grad_sync.begin_step()
             with self._stage_errors():
                 # return_outputs=False: the last stage would keep every micro-batch's logits to the next step
@@ -323,8 +332,8 @@ class ParallelModel:
         (pipelining's split keeps them). Empty before the split."""
         if self.module is None:
             return set()
-        mine = {n for t in self.ties for s, n in t.members if s == self.plan.stage}
-        return {n for t in self.ties for s, n in t.members if s != self.plan.stage} - mine
+        mine = {n for t in self.ties for s, n in t.members if s in self.local}
+        return {n for t in self.ties for s, n in t.members if s not in self.local} - mine
 
     def state_dict(self) -> dict:
         """The full, unsplit model's state dict, tied names included, with the trained values: the

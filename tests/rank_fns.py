@@ -2,7 +2,7 @@
 import torch
 
 import gradsched
-from gradsched.sync.runtime import sync_of
+from gradsched.sync.owners import sync_of
 from tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
 from tiny_gpt import TinyGPT, lm_loss, make_batch
 

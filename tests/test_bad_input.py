@@ -4,7 +4,7 @@ import torch
 
 import gradsched
 from gradsched.launch import run_ranks
-from gradsched.sync.runtime import mark_sharded
+from gradsched.sync.owners import mark_sharded
 from gradsched.sync.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
 from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 

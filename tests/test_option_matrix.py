@@ -26,8 +26,10 @@ TOL = 1e-5
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
         param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", layers=2,
         **options):
+    # several stages a rank (zbv, interleaved_1f1b, stages_per_rank): pp x that many stages, split evenly
+    stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "interleaved_1f1b") else 1)
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
-               schedule=schedule, split_points=tuple(f"blocks.{i * layers // pp}" for i in range(1, pp)),
+               schedule=schedule, split_points=tuple(f"blocks.{i * layers // stages}" for i in range(1, stages)),
                config=GPTConfig(vocab=vocab, layers=layers), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
                capture_code=capture_code, options={"compiler": "eager", **options})
@@ -70,6 +72,11 @@ CASES = {
     "pp2_dp2_zb1p_untied_clip_m2": job(2, 2, schedule="zb1p", variant="untied", clip=CLIP, microbatches=2),
     # four stages: the tie spans the first and the last, the middle two hold no copy (they failed to start before)
     "pp4_zb1p_m4": job(4, 1, schedule="zb1p", layers=4, microbatches=4),
+    # two stages a rank: in a V (the tie's copies on rank 0, one Parameter), looped (the tie across the ranks)
+    "pp2_dp2_zbv_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw", steps=3),
+    "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
+                                                              variant="untied", clip=CLIP, shard=False, microbatches=4),
+    "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
 }
 
 STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
@@ -82,6 +89,8 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                              clip=CLIP, steps=5, host_reads=STEADY,
                                                              inject_host_read=True, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
+    "inductor_pp2_dp2_zbv_all_reduce_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, shard=False,
+                                              compiler="inductor"),
     # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code
     "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
                                                     steps=5, host_reads=STEADY, capture_code=True,
@@ -146,7 +155,7 @@ def assert_like_one_process(job_, ranks):
 def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_runs, inductor_runs):
     runs = {**eager_runs, **inductor_runs}
     for name, case in {**CASES, **INDUCTOR}.items():
-        if case.schedule == "zb1p":  # some stage ran a W after the B of a later micro-batch
+        if case.schedule in ("zb1p", "zbv"):  # some stage ran a W after the B of a later micro-batch
             assert max(r["w_queued_max"] for r in runs[name]) >= 2, name
         else:  # the backward whole: nothing queued
             assert all(r["w_queued_max"] == 0 for r in runs[name]), name
@@ -156,6 +165,8 @@ def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
     if it holds a tied gradient; pp = 1 reduces in the backward."""
     buckets = list(range(r["n_buckets"]))
+    if job_.schedule in ("zbv", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
+        return {"flush": buckets}  # several stages a rank: no one backward graph holds all of its gradients
     placement = job_.options.get("placement", "auto")
     if placement == "auto":
         placement = "backward" if job_.pp == 1 else "split"

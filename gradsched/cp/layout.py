@@ -183,3 +183,34 @@ def check_takes_seq_idx(model: torch.nn.Module) -> None:
         "each sequence is reordered so that every rank holds a piece of every document, and seq_idx says which "
         f"document each token is in; its forward takes {[p.name for p in params]}. Take seq_idx and hand it to "
         "gradsched.masks.attention(..., seq_idx=) (gradsched.hf.CausalLM does), or use load_balance=True.")
+
+
+def model_inputs(plan, load_balance, inputs, targets, positions=None, attention_mask=None):
+    """ParallelModel.train_step's inputs and targets: the model's inputs as a tuple; under context parallelism
+    (plan.cp > 1), this rank's slice of the sequence, laid out by `load_balance` (SyncOptions').
+
+    The model gets (tokens), (tokens, positions) or (tokens, positions, attention_mask):
+    under context parallelism each rank holds non-contiguous chunks, so positions come in
+    explicitly (learned or rotary embeddings read them; packed documents restart them).
+    Under load_balance="documents" it gets (tokens, positions, attention_mask, seq_idx): each
+    row reordered so every rank holds a share of every document (balance_documents), and seq_idx says which document each token is in. attention_mask is
+    then all ones where none was given (a pipeline split drops an input passed as None, and
+    seq_idx would take its place).
+    """
+    for name, t in (("positions", positions), ("attention_mask", attention_mask)):
+        if t is not None and tuple(t.shape) != tuple(inputs.shape[:2]):
+            raise ValueError(f"train_step: {name} has shape {tuple(t.shape)}, and the inputs "
+                             f"{tuple(inputs.shape[:2])}. Pass one per token, [batch, sequence].")
+    if positions is None and (plan.cp > 1 or attention_mask is not None):
+        positions = torch.arange(inputs.shape[1], device=inputs.device).expand(inputs.shape[:2])
+    args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
+    if plan.cp == 1:
+        return args, targets
+    cp, (_, _, r), lb = plan.cp, plan.coords(), load_balance
+    if lb == "documents":
+        if attention_mask is None:
+            attention_mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)
+        seq_idx, inputs, targets, positions, attention_mask = balance_documents(
+            positions, cp, inputs, targets, positions, attention_mask)
+        args = (inputs, positions, attention_mask, seq_idx)
+    return tuple(shard(t, cp, r, 1, bool(lb)) for t in args), shard(targets, cp, r, 1, bool(lb))

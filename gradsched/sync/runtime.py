@@ -16,6 +16,9 @@ What it runs, per step:
                  inputs' gradients, returned at once (the previous stage waits for them), and W, the
                  weights' gradients, queued for the schedule to run later (`take_w`): W accumulates in
                  .grad, and the last micro-batch's W (which must run after every other) reduces.
+  several stages a rank (`canonical` given): every backward of every stage graph accumulates in .grad
+                 (whole, or B then W), and the flush reduces all of the rank's buckets, planned over
+                 every stage graph's gradients once each has compiled (stage_build.build_union).
 
 Before a graph's first collective it runs that graph's checks (gradsched.sync.preflight). The reduced
 buckets of the step wait in `results` for the optimizer.
@@ -24,28 +27,31 @@ from __future__ import annotations
 
 import time
 
-import weakref
-
 import torch
 import torch.fx as fx
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradsched.passes.verify import Verdict
 
 from gradsched.sync import report
 from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
-from gradsched.sync.stage_build import BuiltStage, SplitFns, SyncGraph, build_forward, build_stage
+from gradsched.sync.stage_build import (BuiltStage, SplitFns, StagePart, SyncGraph, build_forward, build_part,
+                                       build_stage, build_union)
 from gradsched.sync.stage_setup import StageSetup, process_group
 from gradsched.sync.nonfinite import StepFlags
+from gradsched.sync.owners import attach, mark_sharded
 from gradsched.sync.watchdog import JOURNAL
 
 
 class GradSync:
     def __init__(self, setup: StageSetup, options: SyncOptions, explicit_steps: bool = False,
-                 split_backward: bool = False):
+                 split_backward: bool = False, canonical: dict[str, str] | None = None):
         self.setup, self.options = setup, options
         self.split_backward = split_backward
+        # several stages a rank: a parameter name of a stage graph -> the rank's name for it (a tie merged on the
+        # rank is one Parameter under its first copy's name); None: one stage graph
+        self.canonical = canonical
+        self.parts: list[StagePart] = []  # several stages a rank: each stage graph's compiled backward
         self._handoff: list = []  # W of the backward just run, until the schedule takes it (take_w)
         self._w_outstanding = 0  # W queued and not yet run this step
         self.w_queued_max = 0  # the most W queued at once (a W ran after a later B when > 1): reports, tests
@@ -84,6 +90,8 @@ class GradSync:
         """Build the stage's sync from this backward graph (gradsched.sync.stage_build); return the
         callable to run as the backward. `param_names`: its forward graph's placeholder -> parameter
         name (shard="params")."""
+        if self.canonical is not None:
+            return self._register_part(bw_gm, example_inputs, grad_names, params)
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
                             self.param_shards, param_names, split=self.split_backward)
         self.built = built
@@ -124,6 +132,31 @@ class GradSync:
             if "flush" not in built.graphs:
                 self.sync_runs += 1
             return outs[:record.n_outputs]
+        backward._boxed_call = True
+        return backward
+
+    def _register_part(self, bw_gm, example_inputs, grad_names: dict[int, str], params: dict):
+        """One stage graph of a rank of several: compiled now; the rank's plan waits for the flush."""
+        name = lambda n: self.canonical.get(n, n)  # noqa: E731
+        grad_names = {i: name(n) for i, n in grad_names.items()}
+        params = {name(n): p for n, p in params.items()}
+        if self.built is not None and set(params) - set(self.built.params):
+            raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
+                               f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
+                               "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
+        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.split_backward)
+        self.parts.append(part)
+        attach(self, params.values())
+        if self.options.shard:
+            mark_sharded(params.values())
+
+        def backward(args):
+            self.backward_calls += 1
+            if part.plain_split is not None:
+                rec = part.plain_split.record
+                return self._defer_w(part.plain_split, list(args), len(rec.input_outputs) + len(rec.weight_outputs),
+                                     lambda grads: _accumulate(grads, part.grad_names, params))
+            return part.plain(list(args))
         backward._boxed_call = True
         return backward
 
@@ -200,6 +233,8 @@ class GradSync:
                                "computations never run: the schedule must run every W it queued.")
         if self.built is None and self.setup.placement == "backward":
             return
+        if self.built is None and self.parts:  # several stages a rank: every stage graph has compiled by now
+            self.built = build_union(self.parts, self.setup, self.options)
         built = self._require_built()
         sg = built.graphs.get("flush")
         if sg is None:
@@ -309,56 +344,6 @@ class _StepBoundary:
     def __exit__(self, *exc):
         self.sync._last_microbatch = self.before
         return False
-
-
-# ---- parameters whose gradient only exists as shards ------------------------------------------
-# A GradSync with shard=True leaves no .grad on its parameters: an ordinary torch.optim optimizer
-# over them would step nothing. The first GradSync that shards installs a step pre-hook that says so.
-_SHARDED = weakref.WeakValueDictionary()  # id -> parameter
-_HOOK = []
-
-
-def mark_sharded(params) -> None:
-    for p in params:
-        _SHARDED[id(p)] = p
-    if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_full_parameter_step))
-
-
-def is_sharded(p) -> bool:
-    return _SHARDED.get(id(p)) is p  # by identity: tensors' == is elementwise
-
-
-def _refuse_full_parameter_step(optimizer, args, kwargs):
-    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
-            ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "
-            f"torch.optim.{type(optimizer).__name__}, ...) instead, or shard=False for plain data parallel.")
-
-
-
-def attach(sync: GradSync, params) -> None:
-    """Remember which GradSync reduces these parameters (the optimizer finds it from them)."""
-    for p in params:
-        p._gradsched_sync = sync
-
-
-def find_sync(model) -> GradSync | None:
-    """The GradSync of a gradsched.parallelize model (None before its first step), or of a model
-    compiled with backend="gradsched", found from its parameters."""
-    if hasattr(model, "grad_sync"):
-        return model.grad_sync
-    return sync_of(model.parameters())
-
-
-def sync_of(params) -> GradSync | None:
-    """The GradSync that reduces these parameters' gradients, if a gradsched backend compiled them."""
-    found = {id(s): s for s in (getattr(p, "_gradsched_sync", None) for p in params) if s is not None}
-    if len(found) > 1:
-        raise RuntimeError("gradsched: these parameters are reduced by several compiled models; build one "
-                           "DistributedOptimizer per compiled model.")
-    return next(iter(found.values()), None)
 
 
 def _accumulate(grads: dict, names: dict, params: dict) -> None:

@@ -11,6 +11,10 @@
       split_backward                 (a zero-bubble schedule) each backward cut in B, the inputs'
                                      gradients, and W, the weights': each half compiled
 
+    build_part(bw_gm, ...) and build_union(parts, ...)   several stages a rank: each stage's backward
+                                     compiled as it comes (whole, or B and W); once every stage has one, the
+                                     plan over all of the rank's gradients and its flush graph
+
 Returns a BuiltStage: plain data and compiled callables, which the executor
 (gradsched.sync.runtime.GradSync) runs and nothing else builds.
 """
@@ -108,6 +112,48 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
         return BuiltStage(plan, params, None, graphs, param_inputs, plain_split, dict(grad_names))
     plain = compile_graph(bw_gm, example_inputs, options.compiler, agree=_name(options, what))
     return BuiltStage(plan, params, plain, graphs, param_inputs, grad_names=dict(grad_names))
+
+
+@dataclass
+class StagePart:
+    """One stage graph of a rank that holds several: its gradients' ready order, its parameters (by the rank's
+    names), and its backward compiled whole or as B and W. Autograd (or W) accumulates its gradients in .grad
+    every micro-batch; the rank's flush reduces them all."""
+    ready: list
+    params: dict
+    grad_names: dict  # backward output position -> parameter name
+    plain: object
+    plain_split: SplitFns | None
+
+
+def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str], params: dict,
+               setup: StageSetup, options: SyncOptions, split: bool) -> StagePart:
+    """A stage graph of a rank of several stages (names: the rank's, a tie merged on the rank under one)."""
+    ready = grad_ready_order(bw_gm, grad_names)
+    what = f"a backward graph of pipeline rank {setup.stage}'s stages ({ready[0].name if ready else 'no gradient'}...)"
+    if split:
+        return StagePart(ready, params, dict(grad_names), None, _split(bw_gm, example_inputs, set(grad_names),
+                                                                        options, what))
+    return StagePart(ready, params, dict(grad_names),
+                     compile_graph(bw_gm, example_inputs, options.compiler, agree=_name(options, what)), None)
+
+
+def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions) -> BuiltStage:
+    """The sync of a rank of several stages: one plan over every stage graph's gradients (each once, in the order
+    the stages' graphs were compiled), all reduced by one flush graph after the schedule (placement 'flush': no
+    one backward graph holds the rank's gradients). Ties across ranks are summed there, first, as at one stage."""
+    params, ready = {}, {}
+    for part in parts:
+        params.update(part.params)
+        for r in part.ready:
+            ready.setdefault(r.name, r)
+    ready = list(ready.values())
+    check_backward_graph(setup, ready, None)
+    plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement="flush",
+                     grad_group=setup.grad_group, tie_groups=setup.tie_groups,
+                     ties={n: t.key for n, t in setup.ties.items()},
+                     param_dtypes={n: p.dtype for n, p in params.items()})
+    return BuiltStage(plan, params, None, {"flush": _flush_graph(plan, params, options)})
 
 
 def _split(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: SyncOptions, what: str,

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gradsched.sync.runtime import find_sync
+from gradsched.sync.owners import find_sync
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL, CollectiveFault, is_comm_error, peers_report
 from gradsched.training.checkpoint_files import CheckpointError

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.sync.nonfinite import agree
-from gradsched.sync.runtime import find_sync
+from gradsched.sync.owners import find_sync
 from gradsched.training.shards import owned_pieces
 
 

@@ -21,7 +21,7 @@ from gradsched.training.param_groups import options_by_name
 from gradsched.training.shards import owned_pieces
 from gradsched.sync import nonfinite
 from gradsched.sync.param_shards import all_gather
-from gradsched.sync.runtime import find_sync
+from gradsched.sync.owners import find_sync
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 

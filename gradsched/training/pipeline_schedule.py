@@ -6,7 +6,11 @@
                       inputs' gradients, at once, and W, the weights', where the schedule puts it (in the
                       bubble). B and W are gradsched's compiled halves of the backward graph
                       (passes/split_backward.py, gradsched.sync.runtime); torch's own split runs eager
-                      autograd twice and refuses compiled stages.
+                      autograd twice and refuses compiled stages. stages_per_rank stages a rank (looped)
+    "interleaved_1f1b" ScheduleInterleaved1F1B (Megatron's virtual stages): stages_per_rank (>= 2) stages a
+                      rank, looped (rank r holds r, r + pp, ...)
+    "zbv"             ScheduleZBVZeroBubble: two stages a rank in a V (rank r holds r and 2 pp - 1 - r: the
+                      first and the last on rank 0, a tie between them one Parameter), B and W as zb1p's
 
 The stage tells the gradient sync which backward is the step's last and notes what it sends on the device
 (gradsched.sync.nonfinite).
@@ -20,8 +24,9 @@ import torch.nn as nn
 
 from gradsched.sync import nonfinite
 
-SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p")
-SPLIT_BACKWARD = ("zb1p",)  # schedules that run each backward as B and W (gradsched.sync.runtime)
+SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv")
+SPLIT_BACKWARD = ("zb1p", "zbv")  # schedules that run each backward as B and W (gradsched.sync.runtime)
+MULTI_STAGE = ("zb1p", "interleaved_1f1b", "zbv")  # schedules that take several stages a rank
 
 
 _OFF = contextlib.nullcontext()
@@ -47,13 +52,14 @@ class Timeline:
             self.events.append((kind, microbatch, t0, time.perf_counter()))
 
 
-def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m: int, device, loss_fn,
+def pipeline_schedule(name: str, stages: list, num_stages: int, plan, sync, m: int, device, loss_fn,
                       timeline: Timeline | None = None):
-    """The schedule object (its .step runs one training step) for this rank's stage: `module` is the compiled
-    stage, `stage_module` the module it compiles, `sync` the stage's GradSync, `m` micro-batches."""
+    """The schedule object (its .step runs one training step) for this rank's stages: `stages` holds (stage
+    index, the compiled stage, the module it compiles) for each, `num_stages` the pipeline's, `sync` the rank's
+    GradSync, `m` micro-batches."""
     timeline = timeline or Timeline()
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe,
-                                              ScheduleInterleavedZeroBubble)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
     split = name in SPLIT_BACKWARD
 
     class Stage(PipelineStage):
@@ -92,14 +98,16 @@ def pipeline_schedule(name: str, module, stage_module: nn.Module, plan, sync, m:
             return out
 
     group = plan.process_group("pp")
-    if not split:
-        stage = Stage(module, plan.stage, plan.pp, device, group=group)
-        cls = Schedule1F1B if name == "1f1b" else ScheduleGPipe
-        return _indexed(cls)(stage, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
     # dw_builder: the W that gradsched's backward queued (its compiled W graph), run when the schedule says
-    stage = Stage(_CompiledStage(stage_module, module), plan.stage, plan.pp, device, group=group,
-                  dw_builder=sync.take_w)
-    return _indexed(ScheduleInterleavedZeroBubble)([stage], n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
+    built = [Stage(_CompiledStage(module, compiled), index, num_stages, device, group=group, dw_builder=sync.take_w)
+             if split else Stage(compiled, index, num_stages, device, group=group)
+             for index, compiled, module in stages]
+    if name in ("1f1b", "gpipe"):
+        return _indexed(Schedule1F1B if name == "1f1b" else ScheduleGPipe)(built[0], n_microbatches=m,
+                                                                            loss_fn=loss_fn, scale_grads=False)
+    cls = {"zb1p": ScheduleInterleavedZeroBubble, "interleaved_1f1b": ScheduleInterleaved1F1B,
+           "zbv": ScheduleZBVZeroBubble}[name]
+    return _indexed(cls)(built, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
 
 def _indexed(cls):
@@ -139,23 +147,45 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
     sizes alone, before any collective (gradsched.train checks it before connecting)."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: gradsched runs {SCHEDULES} from torch.distributed.pipelining.")
-    if pp == 1 and schedule not in SPLIT_BACKWARD:  # no pipeline: each micro-batch's forward, then its backward
+    if pp == 1 and schedule not in MULTI_STAGE:  # no pipeline: each micro-batch's forward, then its backward
         return "1f1b"
     if schedule == "auto":
         return "1f1b" if m >= pp else "gpipe"
     if schedule in ("1f1b", "zb1p") and m < pp:
         raise ValueError(f"the {schedule} schedule needs at least as many micro-batches as pipeline stages ({m} < "
                          f"pp {pp}): use the gpipe schedule, or {pp} micro-batches or more.")
-    if schedule in SPLIT_BACKWARD:
-        if pp == 1:
-            raise ValueError(f"{schedule} is a pipeline schedule: with pp 1 there is no pipeline, and the backward "
-                             "runs whole. Leave the schedule out, or split the model (pp > 1).")
-        rounds = max(1, m // pp)  # torch's ZB-H1 runs micro-batches in rounds of at least pp
+    if schedule in MULTI_STAGE and pp == 1:
+        raise ValueError(f"{schedule} is a pipeline schedule: with pp 1 there is no pipeline, and the backward "
+                         "runs whole. Leave the schedule out, or split the model (pp > 1).")
+    if schedule == "zbv" and m < 2 * pp - 1:
+        raise ValueError(f"the zbv schedule needs at least 2 pp - 1 = {2 * pp - 1} micro-batches to fill its V "
+                         f"(got {m}): use {2 * pp - 1} or more, or another schedule.")
+    if schedule in ("zb1p", "interleaved_1f1b"):
+        rounds = max(1, m // pp)  # torch's ZB-H1 and interleaved 1F1B run micro-batches in rounds of at least pp
         if m % rounds:
             raise ValueError(f"the {schedule} schedule with pp {pp} runs micro-batches in {rounds} rounds of equal "
                              f"size: {m} micro-batches do not divide into them. Use a multiple of {pp} (e.g. "
                              f"{rounds * pp}).")
     return schedule
+
+
+def stage_placement(schedule: str, stages_per_rank: int | None) -> tuple[int, str]:
+    """(stages a rank, their placement: "loop" or "v"; gradsched.training.virtual_stages) for a resolved
+    schedule, or ValueError saying what to change."""
+    if schedule == "zbv":
+        if stages_per_rank not in (None, 2):
+            raise ValueError(f"the zbv schedule holds two stages a rank (a V), not stages_per_rank={stages_per_rank}: "
+                             "leave stages_per_rank out, or use interleaved_1f1b or zb1p for another number.")
+        return 2, "v"
+    v = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved_1f1b" else 1)
+    if not isinstance(v, int) or v < 1:
+        raise ValueError(f"stages_per_rank={stages_per_rank!r}: a whole number of stages, 1 or more.")
+    if v > 1 and schedule not in MULTI_STAGE:
+        raise ValueError(f"stages_per_rank={v} needs a schedule that runs several stages a rank {MULTI_STAGE}, "
+                         f"not {schedule!r}.")
+    if schedule == "interleaved_1f1b" and v < 2:
+        raise ValueError("interleaved_1f1b interleaves stages_per_rank >= 2 stages a rank (1 is plain 1f1b).")
+    return v, "loop"
 
 
 def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str, int]]:
