@@ -4,18 +4,22 @@ gradients against one process.
     python benchmarks/pipeline.py --pp 2 --microbatches 4 [--plot timeline.png]
 
 The 8-layer tied GPT of benchmarks/memory.py (dim 512, vocab 8192, 64 tokens; the embedding is the LM head,
-so the tie spans the first and the last stage), split evenly into pp stages, one sequence per micro-batch, the
-same global batch for every schedule, AdamW. gradsched runs each of its schedules in turn, in one set of pp
-processes (one thread each); then torch.distributed.pipelining's own ScheduleInterleavedZeroBubble runs the
-untied copy of the model in eager (the peer: pipelining refuses compiled stages under it, and torchtitan
+so the tie spans the first and the last stage), split evenly into pp stages (2 pp for interleaved_1f1b and zbv,
+two a rank: under zbv's V the first and the last stage share rank 0, and the tie is one Parameter there), one
+sequence per micro-batch, the same global batch for every schedule, AdamW. gradsched runs each of its schedules
+in turn, in one set of pp processes (one thread each); then torch.distributed.pipelining's own
+ScheduleInterleavedZeroBubble runs the untied copy of the model in eager (the peer: pipelining refuses compiled stages under it, and torchtitan
 refuses ties under pipeline parallelism). Steps 1 to --warmup compile and are not timed; each timed step
 starts at a barrier. One JSON object per schedule:
 
   step_ms_median            median over the timed steps of the slowest rank's step (train_step, optimizer step)
   step_vs_1f1b              step_ms_median / gradsched 1f1b's, from this run
   bubble_fraction           1 - (sum over ranks of the time in forwards, backwards (B, W or whole) and the flush)
-                            / (ranks x step time), median over the timed steps, from each rank's timestamps
-                            (gradsched.training.pipeline_schedule.Timeline): what the ranks spent waiting
+                            / (ranks x the pipeline's span), median over the timed steps, from each rank's
+                            timestamps (gradsched.training.pipeline_schedule.Timeline): what the ranks spent
+                            waiting. The span is the slowest rank's train_step (the schedule and the flush), from
+                            the step's barrier: the optimizer's step after it is no part of the pipeline's bubble
+                            (counted in, it made every schedule's bubble look larger by the same time)
   peak_bytes_per_rank       the most bytes alive above the step's start during one more step, the largest over
                             ranks (every thread's allocations and frees, benchmarks/cpu_peak.py)
   tie_bytes_per_step        bytes the tie all-reduce moves per step on a rank (0 for the untied peer)
@@ -42,15 +46,17 @@ from tied_training import Job, batch, build_model, gradient_error, reduced_gradi
 from tiny_gpt import GPTConfig, lm_loss
 
 CONFIG = GPTConfig(vocab=8192, seq=64, dim=512, heads=8, layers=8)
-SCHEDULES = ("1f1b", "gpipe", "zb1p")
+SCHEDULES = ("1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv")
+SEVERAL = ("interleaved_1f1b", "zbv")  # two stages a rank: the model split in 2 pp stages
 PEER = "torch_zb1p_eager_untied"
 WORK = ("F", "B", "W", "BW", "sync")
 
 
 def job_for(pp: int, m: int, schedule: str, compiler: str, variant: str = "") -> Job:
-    every = CONFIG.layers // pp
+    stages = pp * (2 if schedule in SEVERAL else 1)
+    every = CONFIG.layers // stages
     return Job(pp=pp, dp=1, steps=1, global_batch=m, config=CONFIG, optimizer="adamw", variant=variant,
-               split_points=tuple(f"blocks.{i * every}" for i in range(1, pp)), schedule=schedule,
+               split_points=tuple(f"blocks.{i * every}" for i in range(1, stages)), schedule=schedule,
                options={"compiler": compiler})
 
 
@@ -63,12 +69,12 @@ def _steps(rank, run_step, timeline: Timeline, a) -> dict:
         dist.barrier()
         timeline.events, timeline.on = [], timed
         t0 = time.perf_counter()
-        run_step(step)
+        scheduled = run_step(step)  # when the schedule and its flush ended (the optimizer's step follows)
         t1 = time.perf_counter()
         timeline.on = False
         if timed:
             times.append(t1 - t0)
-            steps.append({"start": t0, "end": t1, "events": list(timeline.events)})
+            steps.append({"start": t0, "end": t1, "scheduled": scheduled, "events": list(timeline.events)})
     dist.barrier()
     cpu_peak.reset()
     run_step(a.warmup + a.steps)
@@ -88,10 +94,12 @@ def _gradsched(rank, schedule: str, a) -> dict:
     def run_step(step):
         x, y = batch(job, step)
         pm.train_step(x, y)
+        scheduled = time.perf_counter()
         if step == 0:
             grads.update(reduced_gradients(pm.grad_sync))
         opt.step()
         opt.zero_grad()
+        return scheduled
     out = _steps(rank, run_step, pm.timeline, a)
     return out | {"grads": grads, "tie_bytes": pm.grad_sync.tied_bytes_per_step()}
 
@@ -127,10 +135,12 @@ def _peer(rank, a) -> dict:
     def run_step(step):
         x, y = batch(job, step)
         schedule.step(*((x,) if rank == 0 else ()), **({"target": y} if rank == a.pp - 1 else {}))
+        scheduled = time.perf_counter()
         if step == 0:
             grads["full"] = {n: p.grad.detach().clone() for n, p in module.named_parameters()}
         opt.step()
         opt.zero_grad()
+        return scheduled
     return _steps(rank, run_step, timeline, a) | {"grads": grads, "tie_bytes": 0}
 
 
@@ -147,12 +157,12 @@ def bench_rank(rank: int, world: int, a) -> dict:
 
 
 def bubble(ranks: list[dict]) -> float:
-    """Median over the timed steps of 1 - busy / (ranks x the slowest rank's step)."""
+    """Median over the timed steps of 1 - busy / (ranks x the slowest rank's schedule span)."""
     fractions = []
     for per_rank in zip(*(r["steps"] for r in ranks)):
-        step = max(s["end"] - s["start"] for s in per_rank)
+        span = max(s["scheduled"] - s["start"] for s in per_rank)
         busy = sum(t1 - t0 for s in per_rank for kind, _, t0, t1 in s["events"] if kind in WORK)
-        fractions.append(1 - busy / (len(per_rank) * step))
+        fractions.append(1 - busy / (len(per_rank) * span))
     return statistics.median(fractions)
 
 
@@ -196,8 +206,8 @@ def main() -> None:
     a = ap.parse_args()
     if "1f1b" not in a.schedules:
         ap.error("--schedules must include 1f1b: every ratio is to it")
-    if CONFIG.layers % a.pp:
-        ap.error(f"--pp {a.pp} does not divide the model's {CONFIG.layers} layers")
+    if CONFIG.layers % (2 * a.pp if set(a.schedules) & set(SEVERAL) else a.pp):
+        ap.error(f"--pp {a.pp} (x 2 stages a rank for {SEVERAL}) does not divide the model's {CONFIG.layers} layers")
     cpu_peak.build()  # compiled once here, before the ranks load it
     per_rank = run_ranks(bench_rank, a.pp, a, timeout_s=3000, collective_timeout_s=600)
     results = {name: [r[name] for r in per_rank] for name in per_rank[0]}

@@ -58,8 +58,6 @@ class ParallelModel:
             raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={self.stages_per_rank}' * (self.stages_per_rank > 1)}"
                              f" needs {self.num_stages - 1} split_points (module names that begin a stage, e.g. "
                              f"['blocks.1']), got {list(split_points)}.")
-        # the pipeline stages this rank holds (one, or several under stages_per_rank)
-        self.local = local_stages(plan.stage, plan.pp, self.stages_per_rank, self.placement_style)
         check_split_points(model, split_points)
         if self.options.load_balance == "documents" and plan.cp > 1:
             check_takes_seq_idx(model)
@@ -72,6 +70,7 @@ class ParallelModel:
         self._init = deferred_init(model, init_weights, init_seed)  # a model on meta: allocated per stage at step 1
         if self.stages_per_rank > 1:
             refuse_with_several_stages(self.options, plan, self._init is not None)
+        self._local = None
         self.within_module_ties = shared_parameters(model)
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included
         self.grad_sync = None
@@ -87,6 +86,13 @@ class ParallelModel:
         if plan.pp == 1:
             self._build(ties=[], stage_module=model)
             self._make_replicas_equal()
+
+    @property
+    def local(self) -> list[int]:
+        """The pipeline stages this rank holds (one, or several under stages_per_rank)."""
+        if self._local is None:
+            self._local = local_stages(self.plan.stage, self.plan.pp, self.stages_per_rank, self.placement_style)
+        return self._local
 
     def _build(self, ties, stage_module):
         self.ties = ties

@@ -42,7 +42,7 @@ from gradsched.launch import free_port, launch_command, leave
 from gradsched.plan import plan_sizes
 from gradsched.sync.watchdog import CollectiveFault
 from gradsched.sync.watchdog import stop as stop_watchdog
-from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule
+from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule, stage_placement
 from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
@@ -98,7 +98,7 @@ def split_points(model: torch.nn.Module, layers: int, pp: int) -> list[str]:
     if pp == 1:
         return []
     if layers < pp:
-        raise Mistake(f"--pp {pp} needs at least {pp} decoder layers; the model has {layers}.")
+        raise Mistake(f"{pp} pipeline stages need at least {pp} decoder layers; the model has {layers}.")
     stacks = [n for n, m in model.named_modules() if isinstance(m, torch.nn.ModuleList) and len(m) == layers]
     if not stacks:
         raise Mistake("cannot find the model's decoder layers (a ModuleList of num_hidden_layers modules) "
@@ -134,7 +134,8 @@ def parse(argv=None):
     ap.add_argument("--microbatches", type=int, default=1, help="per step, per data-parallel rank")
     ap.add_argument("--schedule", default="auto", choices=SCHEDULES,
                     help="the pipeline's schedule under --pp > 1 (auto: 1f1b, or gpipe with fewer micro-batches "
-                         "than stages; zb1p: zero bubble, the backward split into B and W)")
+                         "than stages; zb1p: zero bubble, the backward split into B and W; interleaved_1f1b: two "
+                         "stages a rank, looped; zbv: two stages a rank in a V, the first and last on rank 0)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
@@ -281,7 +282,8 @@ def train(args) -> int:
     check_alone(args, int(os.environ["WORLD_SIZE"]))
     resume_from = checkpoint_dir(args.resume) if args.resume else None
     model, layers = build_model(args.model, args.seed)
-    points = split_points(model, layers, args.pp)
+    stages, _ = stage_placement(resolve_schedule(args.schedule, args.pp, args.microbatches), None)
+    points = split_points(model, layers, args.pp * stages)  # zbv, interleaved_1f1b: two stages a rank
     vocab = model.model.config.vocab_size
     data = (TokenFile(args.data, args.ids, args.seq, vocab, args.batch) if args.data
             else Synthetic(args.seq, vocab, args.seed))

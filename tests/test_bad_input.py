@@ -70,6 +70,32 @@ def test_zero_bubble_refuses_micro_batches_it_cannot_run_in_equal_rounds_and_a_m
         gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=1, dp=2), loss_fn=lm_loss, schedule="zb1p")
 
 
+def test_several_stages_a_rank_refuse_sizes_and_options_they_cannot_run_before_any_collective():
+    model = TinyGPT(GPTConfig(layers=4))
+    splits = ["blocks.1", "blocks.2", "blocks.3"]
+    plan = gradsched.ParallelPlan(pp=2, dp=1)  # sizes only: no process group is touched
+    for kwargs, message in (
+            ({"schedule": "zbv", "split_points": ["blocks.2"], "microbatches": 4},
+             r"pp=2 x stages_per_rank=2 needs 3 split_points"),
+            ({"schedule": "zbv", "split_points": splits, "microbatches": 2}, r"at least 2 pp - 1 = 3 micro-batches"),
+            ({"schedule": "zbv", "split_points": splits, "microbatches": 4, "stages_per_rank": 3}, "two stages a rank"),
+            ({"schedule": "1f1b", "split_points": splits, "microbatches": 4, "stages_per_rank": 2},
+             "needs a schedule that runs several"),
+            ({"schedule": "interleaved_1f1b", "split_points": ["blocks.2"], "microbatches": 4, "stages_per_rank": 1},
+             "stages_per_rank >= 2"),
+            ({"schedule": "zbv", "split_points": splits, "microbatches": 4, "shard": "params"}, "shard='params'"),
+            ({"schedule": "interleaved_1f1b", "split_points": splits, "microbatches": 4}, None)):
+        if message is None:  # accepted: refused only later for want of process groups
+            with pytest.raises(Exception, match="process group|init_process_group|no process groups"):
+                gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, **kwargs).local
+            continue
+        with pytest.raises(ValueError, match=message):
+            gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, **kwargs)
+    with pytest.raises(ValueError, match=r"cp=2 \(context parallelism\)"):
+        gradsched.parallelize(model, plan=gradsched.ParallelPlan(pp=2, cp=2), loss_fn=lm_loss, split_points=splits,
+                              schedule="zbv", microbatches=4)
+
+
 def test_a_pipeline_without_split_points_is_refused():
     with pytest.raises(ValueError, match="needs 1 split_points"):
         gradsched.parallelize(TinyGPT(), plan=gradsched.ParallelPlan(pp=2, dp=1), loss_fn=lm_loss)
