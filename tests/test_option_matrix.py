@@ -161,6 +161,15 @@ def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_run
             assert all(r["w_queued_max"] == 0 for r in runs[name]), name
 
 
+def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collective_sums_them(eager_runs):
+    v = eager_runs["pp2_dp2_zbv_adamw_m4"]
+    assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v)
+    assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
+    # looped, the same model's first and last stage sit on different ranks: the tie is summed over them
+    looped = eager_runs["pp2_dp2_zb1p_two_stages_a_rank_m4"]
+    assert all(r["tied_bytes_per_step"] > 0 and len(r["ties"]) == 1 for r in looped)
+
+
 def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
     if it holds a tied gradient; pp = 1 reduces in the backward."""

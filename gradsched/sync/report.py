@@ -24,9 +24,10 @@ def tied_bytes(gm: fx.GraphModule) -> int:
     return sum(r["bytes"] for r in collectives(gm) if r["role"].startswith("tie"))
 
 
-def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
+def schedule_report(setup, plan, graphs, verdicts: dict, opts, local_ties=()) -> str:
     """setup: the stage's StageSetup; plan: its SyncPlan; graphs: its built SyncGraphs in run order;
-    verdicts: graph -> the verifier's verdict, for the graphs checked so far."""
+    verdicts: graph -> the verifier's verdict, for the graphs checked so far; local_ties: under several stages a
+    rank, the names of each tie whose copies all sit on this rank (one Parameter, the kept name first)."""
     names = {plan.grad_group.name: f"grad{list(plan.grad_group.ranks)}"}
     names.update({g.name: f"tie{list(g.ranks)}" for g in plan.tie_groups.values()})
     out = [f"== {setup.where} stage {setup.stage}: mode={opts.mode} shard={opts.shard} "
@@ -34,6 +35,9 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts) -> str:
     for b in plan.layout.buckets:
         slots = ", ".join(f"{s.name}@{s.offset}+{s.numel}" + (" (tied)" if s.tie else "") for s in b.slots)
         out.append(f"   bucket {b.index}: {b.numel} x {str(b.dtype).replace('torch.', '')} [{slots}]")
+    for names_ in local_ties:
+        out.append(f"   tie on this rank: {' = '.join(names_)}: one Parameter for every stage here, its gradients "
+                   "summed by autograd into one .grad; no collective, 0 bytes")
     if not graphs:
         return "\n".join(out + ["   (sync graph not built yet)"])
     for sg in graphs:

@@ -323,7 +323,11 @@ class GradSync:
 
     def schedule_report(self) -> str:
         b = self._require_built()
-        return (report.schedule_report(self.setup, b.plan, self.sync_graphs(), self.verdicts, self.options)
+        local = {}
+        for name, kept in (self.canonical or {}).items():
+            local.setdefault(kept, [kept]).extend([name] if name != kept else [])
+        return (report.schedule_report(self.setup, b.plan, self.sync_graphs(), self.verdicts, self.options,
+                                       list(local.values()))
                 + report.attention_report(self.attention_reports))
 
     def tied_bytes_per_step(self) -> int:
