@@ -25,8 +25,9 @@ import torch.nn as nn
 from gradsched.backend import gradsched_backend
 from gradsched.cp.layout import check_takes_seq_idx, model_inputs
 from gradsched.options import SyncOptions
-from gradsched.pipeline_split import (check_first_stage_inputs, checkpoint_stage_modules, checkpointed_calls,
-                                      hf_checkpointed_layers, release_other_stages, warn_checkpointing_dropped)
+from gradsched.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, checkpoint_stage_modules,
+                                      checkpointed_calls, hf_checkpointed_layers, release_other_stages,
+                                      warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
 from gradsched.sync.replicas import make_replicas_equal
 from gradsched.sync.boundaries import agree_stage_boundaries
@@ -139,6 +140,7 @@ class ParallelModel:
                     "split points.")
             raise err from e
         check_first_stage_inputs(pipe, type(self.model).__name__)
+        check_adjacent_stages(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.num_stages):
             check_one_copy_per_stage(pipe.get_stage_module(stage), stage, self.within_module_ties)
@@ -199,13 +201,13 @@ class ParallelModel:
     def _build_pipeline(self, microbatch: tuple):
         meta = self._init is not None  # split on meta copies of the micro-batch: only this rank's stage is allocated
         self.build_stage(*self.split(tuple(t.to("meta") for t in microbatch) if meta else microbatch))
-        if self.stages_per_rank == 1:  # before anything is sent: a mismatch named at its source
-            agree_stage_boundaries(self.stage_module, self.plan)
+        stages = self.stages if self.stages_per_rank > 1 else [(self.plan.stage, self.module, self.stage_module)]
+        # before anything is sent: a mismatch named at its source
+        agree_stage_boundaries({s: m for s, _, m in stages}, self.plan, self.num_stages)
         self._init = materialize(self.stage_module, microbatch[0].device, self._init)
         release_other_stages(self.model, self.stage_module)  # the other stages' weights: not this rank's to keep
         self._make_replicas_equal()
         device = next(self.module.parameters()).device  # the stage runs where its weights are
-        stages = self.stages if self.stages_per_rank > 1 else [(self.plan.stage, self.module, self.stage_module)]
         self.schedule = pipeline_schedule(self.schedule_name, stages, self.num_stages, self.plan, self.grad_sync,
                                           self.options.microbatches, device, self.global_loss, self.timeline)
 

@@ -2,7 +2,8 @@
 
 The split (torch.export) orders a stage's inputs by first use and runs checkpointed calls as
 plain calls. check_first_stage_inputs refuses a model whose inputs the split would reorder (each
-would land in another's place); checkpointed_calls records which calls the model checkpoints
+would land in another's place); check_adjacent_stages one whose stage reads a value computed two or
+more stages before it (pipelining sends to the next stage only); checkpointed_calls records which calls the model checkpoints
 while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
 and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_other_stages
 drops what the user's model still holds of the other stages once this rank's stage is built.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 
 import torch
 import torch.nn as nn
@@ -30,6 +32,26 @@ def check_first_stage_inputs(pipe, model_name: str) -> None:
                          f"the order {first}, and the model is called with {called}: the pipeline would pass "
                          "each in another's place. Make the model's forward use its inputs first in the order "
                          "it takes them (e.g. touch them in that order at the top of forward).")
+
+
+def check_adjacent_stages(pipe, model_name: str) -> None:
+    """Pipelining hands each stage the previous stage's outputs and nothing else: a stage that reads a value an
+    earlier stage computed, past the one before it, would wait for a send that never comes (the run stops there,
+    or fails in the stage's call). Refuse at the split, on every rank alike, naming the stages."""
+    stage_of = {n: int(str(n.target).rsplit("_", 1)[1]) for n in pipe.split_gm.graph.nodes if n.op == "call_module"}
+    for node, i in stage_of.items():
+        for a in node.all_input_nodes:
+            src = a
+            while src.op == "call_function" and src.target is operator.getitem:
+                src = src.args[0]
+            j = stage_of.get(src)
+            if j is not None and j != i - 1:
+                raise StageError(
+                    f"splitting {model_name} into {len(stage_of)} pipeline stages: stage {i} reads a value stage "
+                    f"{j} computes ({a.name}), but pipelining passes a stage the outputs of the stage before it "
+                    f"only, so stage {i} would wait for it forever. Choose split points that no value crosses "
+                    "twice, or fewer stages (a Hugging Face decoder computes its rotary embeddings once, in the "
+                    "first stage, for every layer: it splits into 2 stages, not more).")
 
 
 @contextlib.contextmanager

@@ -175,3 +175,22 @@ def test_the_stale_copy_the_split_leaves_of_a_tied_head_is_not_a_second_copy():
     pipe = split(TinyGPT(), "blocks.1")
     for stage in (0, 1):
         check_one_copy_per_stage(pipe.get_stage_module(stage), stage, shared_parameters(TinyGPT()))
+
+
+def test_a_split_where_a_stage_reads_a_value_from_two_stages_back_is_refused_naming_both():
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from gradsched.hf import tiny_llama
+    from gradsched.pipeline_split import check_adjacent_stages
+    from gradsched.user_errors import StageError
+
+    def split(model, points):
+        with torch.no_grad():
+            return pipeline(model, mb_args=(torch.randint(0, 64, (1, 16)),),
+                            split_spec={p: SplitPoint.BEGINNING for p in points})
+    check_adjacent_stages(split(TinyGPT(GPTConfig(layers=4)), ["blocks.1", "blocks.2", "blocks.3"]), "TinyGPT")
+    # Llama's rotary embeddings: computed in stage 0, read by every layer (a fresh model a split: it traces it)
+    check_adjacent_stages(split(tiny_llama(layers=4)[0], ["model.model.layers.2"]), "CausalLM")  # 2 stages: adjacent
+    with pytest.raises(StageError, match="stage 2 reads a value stage 0 computes"):
+        check_adjacent_stages(split(tiny_llama(layers=4)[0], [f"model.model.layers.{i}" for i in (1, 2, 3)]),
+                              "CausalLM")

@@ -38,27 +38,30 @@ def describe(metas) -> str:
     return ", ".join(f"{list(m[0])} {m[1]}" if m else "a non-tensor" for m in metas) or "nothing"
 
 
-def agree_stage_boundaries(stage_module: fx.GraphModule, plan: ParallelPlan) -> None:
-    """One all-gather over every rank of the plan; raises PlanError on every rank when a stage would send
-    another shape or dtype than its next stage was built to receive."""
+def agree_stage_boundaries(stage_modules: dict[int, fx.GraphModule], plan: ParallelPlan, num_stages: int) -> None:
+    """One all-gather over every rank of the plan (`stage_modules`: this rank's stages by index, several under
+    stages_per_rank); raises PlanError on every rank when a stage would send another shape or dtype than its next
+    stage was built to receive."""
     if plan.pp == 1 or not dist.is_initialized():
         return
-    mine = (plan.rank, plan.coords(), stage_boundary(stage_module))
+    _, d, c = plan.coords()
+    mine = [(plan.rank, (s, d, c), stage_boundary(m)) for s, m in stage_modules.items()]
     every = [None] * plan.world
     with JOURNAL.entry("every pipeline stage's input and output shapes, agreed before the first send",
                        "collective", plan.group or dist.group.WORLD, "all_gather_object"):
         dist.all_gather_object(every, mine, group=plan.group)
-    problem = mismatch(every, plan.pp)
+    problem = mismatch([entry for entries in every for entry in entries], num_stages)
     if problem:
         raise PlanError(problem)
 
 
-def mismatch(every: list, pp: int) -> str | None:
+def mismatch(every: list, num_stages: int) -> str | None:
     """The first boundary where a sender's outputs differ from its receiver's inputs, as a message; from
-    [(rank, (stage, dp, cp), {"inputs", "outputs"}), ...] of every rank (pure: testable in one process)."""
+    [(rank, (stage, dp, cp), {"inputs", "outputs"}), ...] of every stage of every rank (pure: testable in one
+    process)."""
     at = {coords: (rank, b) for rank, coords, b in every}
     for (s, d, c), (rank, b) in sorted(at.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        if s == pp - 1 or (s + 1, d, c) not in at:
+        if s == num_stages - 1 or (s + 1, d, c) not in at:
             continue
         to, theirs = at[(s + 1, d, c)]
         if b["outputs"] != theirs["inputs"]:
