@@ -52,6 +52,7 @@ class Job:
     checkpointing: str = ""  # activation checkpointing, in the parallel run and the reference alike: a mode of
     # tiny_gpt.checkpoint_kwargs (tiny_gpt: torch.utils.checkpoint around each block, as a user writes it;
     # Hugging Face: the model's own gradient_checkpointing_enable)
+    hf_stages: int = 0  # Hugging Face models: split the decoder layers evenly into this many stages (0: 2)
 
     @property
     def loss_fn(self):
@@ -119,6 +120,9 @@ def build_model(job: Job):
     from gradsched.hf import MODELS
     c = job.config
     model, split_points = MODELS[job.model](vocab=c.vocab, seq=c.seq, dim=c.dim, layers=c.layers, heads=c.heads)
+    if job.hf_stages:  # several stages a rank (zbv): the decoder layers in hf_stages even runs
+        stack = split_points[0].rsplit(".", 1)[0]
+        split_points = [f"{stack}.{i * c.layers // job.hf_stages}" for i in range(1, job.hf_stages)]
     if job.checkpointing:
         kw = checkpoint_kwargs(job.checkpointing)
         if hasattr(model.model, "activation_checkpointing_enable"):  # transformers >= 5.24's name

@@ -26,8 +26,8 @@ from gradsched.backend import gradsched_backend
 from gradsched.cp.layout import check_takes_seq_idx, model_inputs
 from gradsched.options import SyncOptions
 from gradsched.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, checkpoint_stage_modules,
-                                      checkpointed_calls, hf_checkpointed_layers, release_other_stages,
-                                      warn_checkpointing_dropped)
+                                      checkpointed_calls, hf_checkpointed_layers, pass_through_skips,
+                                      release_other_stages, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
 from gradsched.sync.replicas import make_replicas_equal
 from gradsched.sync.boundaries import agree_stage_boundaries
@@ -140,6 +140,7 @@ class ParallelModel:
                     "split points.")
             raise err from e
         check_first_stage_inputs(pipe, type(self.model).__name__)
+        pass_through_skips(pipe)  # e.g. a decoder's rotary embeddings, read by every stage from the first
         check_adjacent_stages(pipe, type(self.model).__name__)
         ties = ties_from_override(self.tie_override) if self.tie_override is not None else ties_from_pipe(pipe)
         for stage in range(self.num_stages):

@@ -2,8 +2,9 @@
 
 The split (torch.export) orders a stage's inputs by first use and runs checkpointed calls as
 plain calls. check_first_stage_inputs refuses a model whose inputs the split would reorder (each
-would land in another's place); check_adjacent_stages one whose stage reads a value computed two or
-more stages before it (pipelining sends to the next stage only); checkpointed_calls records which calls the model checkpoints
+would land in another's place); pass_through_skips passes a value a stage reads from two or more
+stages back through the stages between (pipelining sends to the next stage only), and
+check_adjacent_stages refuses what is left; checkpointed_calls records which calls the model checkpoints
 while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
 and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_other_stages
 drops what the user's model still holds of the other stages once this rank's stage is built.
@@ -32,6 +33,66 @@ def check_first_stage_inputs(pipe, model_name: str) -> None:
                          f"the order {first}, and the model is called with {called}: the pipeline would pass "
                          "each in another's place. Make the model's forward use its inputs first in the order "
                          "it takes them (e.g. touch them in that order at the top of forward).")
+
+
+def pass_through_skips(pipe) -> int:
+    """Pipelining hands a stage the previous stage's outputs only. A value a stage reads from further back (a
+    Hugging Face decoder's rotary embeddings, computed once in the first stage for every layer) is passed through
+    each stage in between, in place: each takes it as one more input and returns it as one more output (one
+    more tensor sent, nothing computed). Returns how many (value, stage) passes it added."""
+    gm = pipe.split_gm
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    stage_of = {n: int(str(n.target).rsplit("_", 1)[1]) for n in calls}
+    passed: dict = {}  # (the split graph's node for the value, stage) -> that stage's node passing it on
+    for node in calls:
+        i, replaced = stage_of[node], {}
+        for k, a in enumerate(node.args):
+            src, at = (a.args[0], a.args[1]) if a.op == "call_function" and a.target is operator.getitem else (a, 0)
+            j = stage_of.get(src)
+            if j is None or j >= i - 1:
+                continue
+            meta = dict(_outputs(gm.get_submodule(src.target))[at].meta)
+            for t in range(j + 1, i):
+                if (a, t) not in passed:
+                    passed[(a, t)] = _pass_on(gm, calls[t], passed.get((a, t - 1), a), meta)
+            replaced[k] = passed[(a, i - 1)]
+        # read again: passing a value on may have made an earlier stage's one output the first of a tuple
+        node.args = tuple(replaced.get(k, x) for k, x in enumerate(node.args))
+    gm.graph.lint()
+    gm.recompile()
+    return len(passed)
+
+
+def _outputs(module) -> list:
+    res = module.graph.output_node().args[0]
+    return list(res) if isinstance(res, (tuple, list)) else [res]
+
+
+def _pass_on(gm, call, value, meta: dict):
+    """Stage `call` takes `value` as its last input and returns it as its last output; returns the split graph's
+    node for that output."""
+    module = gm.get_submodule(call.target)
+    g = module.graph
+    placeholders = list(g.find_nodes(op="placeholder"))
+    if value in call.args:  # the stage reads it already: its input is returned as it is
+        p = placeholders[call.args.index(value)]
+    else:
+        with g.inserting_after(placeholders[-1]):
+            p = g.placeholder(f"passed_{value.name}")
+        p.meta.update(meta)
+        call.args = (*call.args, value)
+    out = g.output_node()
+    single = not isinstance(out.args[0], (tuple, list))
+    outs = _outputs(module) + [p]
+    out.args = (tuple(outs),)
+    module.recompile()
+    anchor = call
+    if single:  # its one output was the call itself: now the first of a tuple
+        with gm.graph.inserting_after(call):
+            anchor = gm.graph.call_function(operator.getitem, (call, 0))
+        call.replace_all_uses_with(anchor, delete_user_cb=lambda u: u is not anchor)
+    with gm.graph.inserting_after(anchor):
+        return gm.graph.call_function(operator.getitem, (call, len(outs) - 1))
 
 
 def check_adjacent_stages(pipe, model_name: str) -> None:

@@ -177,11 +177,11 @@ def test_the_stale_copy_the_split_leaves_of_a_tied_head_is_not_a_second_copy():
         check_one_copy_per_stage(pipe.get_stage_module(stage), stage, shared_parameters(TinyGPT()))
 
 
-def test_a_split_where_a_stage_reads_a_value_from_two_stages_back_is_refused_naming_both():
+def test_a_value_read_two_stages_back_is_passed_through_the_stages_between_else_refused_naming_both():
     from torch.distributed.pipelining import SplitPoint, pipeline
 
     from gradsched.hf import tiny_llama
-    from gradsched.pipeline_split import check_adjacent_stages
+    from gradsched.pipeline_split import check_adjacent_stages, pass_through_skips
     from gradsched.user_errors import StageError
 
     def split(model, points):
@@ -191,6 +191,13 @@ def test_a_split_where_a_stage_reads_a_value_from_two_stages_back_is_refused_nam
     check_adjacent_stages(split(TinyGPT(GPTConfig(layers=4)), ["blocks.1", "blocks.2", "blocks.3"]), "TinyGPT")
     # Llama's rotary embeddings: computed in stage 0, read by every layer (a fresh model a split: it traces it)
     check_adjacent_stages(split(tiny_llama(layers=4)[0], ["model.model.layers.2"]), "CausalLM")  # 2 stages: adjacent
+    llama, _ = tiny_llama(layers=4)
+    pipe = split(llama, [f"model.model.layers.{i}" for i in (1, 2, 3)])
     with pytest.raises(StageError, match="stage 2 reads a value stage 0 computes"):
-        check_adjacent_stages(split(tiny_llama(layers=4)[0], [f"model.model.layers.{i}" for i in (1, 2, 3)]),
-                              "CausalLM")
+        check_adjacent_stages(pipe, "CausalLM")
+    # passed through stages 1 and 2 (each returns it with its own output): adjacent, and the same output
+    assert pass_through_skips(pipe) == 2 * 2  # two tensors (cos, sin), each through stages 1 and 2
+    check_adjacent_stages(pipe, "CausalLM")
+    x = torch.randint(0, 64, (1, 16))
+    with torch.no_grad():
+        assert torch.equal(pipe(x)[0], llama(x))

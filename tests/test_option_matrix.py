@@ -77,6 +77,10 @@ CASES = {
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
+    # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through
+    "pp2_dp2_zbv_hf_llama_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw", labels="padded",
+                                   schedule="zbv", config=GPTConfig(layers=4), hf_stages=4,
+                                   options={"compiler": "eager", "microbatches": 4}),
 }
 
 STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
