@@ -303,7 +303,7 @@ def train(args) -> int:
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
     start = gradsched.load(resume_from, model, opt)["data_position"] if resume_from else 0
     _, dp_idx, cp_idx = plan.coords()
-    reporter = plan.stage == args.pp - 1 and dp_idx == 0 and cp_idx == 0
+    reporter = model.num_stages - 1 in model.local and dp_idx == 0 and cp_idx == 0  # the loss's rank (zbv: 0)
     progress = Progress(args.steps, args.log_every) if reporter else None
     metrics = open_metrics(args.metrics, start) if reporter and args.metrics else None
     per = args.batch // plan.dp
