@@ -129,7 +129,7 @@ class ParallelModel:
                 pipe = pipeline(self.model, mb_args=microbatch,
                                 split_spec={name: SplitPoint.BEGINNING for name in self.split_points})
         except Exception as e:  # export's message is generic; the model's own error is in the chain
-            what = f"splitting {type(self.model).__name__} into {self.plan.pp} pipeline stages at {self.split_points}"
+            what = f"splitting {type(self.model).__name__} into {self.num_stages} pipeline stages at {self.split_points}"
             err = in_user_code(f"{what} failed in the model's code", e)
             if err is None:  # the tracer's own limits: say what is known to cause them
                 cause = root_cause(e)

@@ -43,21 +43,21 @@ def pass_through_skips(pipe) -> int:
     gm = pipe.split_gm
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     stage_of = {n: int(str(n.target).rsplit("_", 1)[1]) for n in calls}
-    passed: dict = {}  # (the split graph's node for the value, stage) -> that stage's node passing it on
+    passed: dict = {}  # ((the stage computing the value, its output index), stage) -> the node passing it on
     for node in calls:
-        i, replaced = stage_of[node], {}
-        for k, a in enumerate(node.args):
+        i = stage_of[node]
+        for k in range(len(node.args)):
+            a = node.args[k]  # read each time: passing a value on may have made a stage's one output a tuple's first
             src, at = (a.args[0], a.args[1]) if a.op == "call_function" and a.target is operator.getitem else (a, 0)
             j = stage_of.get(src)
             if j is None or j >= i - 1:
                 continue
             meta = dict(_outputs(gm.get_submodule(src.target))[at].meta)
+            value = (src, at)
             for t in range(j + 1, i):
-                if (a, t) not in passed:
-                    passed[(a, t)] = _pass_on(gm, calls[t], passed.get((a, t - 1), a), meta)
-            replaced[k] = passed[(a, i - 1)]
-        # read again: passing a value on may have made an earlier stage's one output the first of a tuple
-        node.args = tuple(replaced.get(k, x) for k, x in enumerate(node.args))
+                if (value, t) not in passed:
+                    passed[(value, t)] = _pass_on(gm, calls[t], passed.get((value, t - 1), a), meta)
+            node.args = (*node.args[:k], passed[(value, i - 1)], *node.args[k + 1:])
     gm.graph.lint()
     gm.recompile()
     return len(passed)
@@ -110,9 +110,9 @@ def check_adjacent_stages(pipe, model_name: str) -> None:
                 raise StageError(
                     f"splitting {model_name} into {len(stage_of)} pipeline stages: stage {i} reads a value stage "
                     f"{j} computes ({a.name}), but pipelining passes a stage the outputs of the stage before it "
-                    f"only, so stage {i} would wait for it forever. Choose split points that no value crosses "
-                    "twice, or fewer stages (a Hugging Face decoder computes its rotary embeddings once, in the "
-                    "first stage, for every layer: it splits into 2 stages, not more).")
+                    f"only, so stage {i} would wait for it forever (gradsched passes a positional tensor on through "
+                    "the stages between, not one inside a keyword argument or a nested structure). Choose split "
+                    "points that no such value crosses twice, or fewer stages.")
 
 
 @contextlib.contextmanager

@@ -36,3 +36,29 @@ def test_inputs_used_in_call_order_are_accepted():
 def test_inputs_used_out_of_call_order_are_refused_instead_of_swapped():
     with pytest.raises(StageError, match=r"order \['positions', 'tokens'\].*called with \['tokens', 'positions'\]"):
         check_first_stage_inputs(split(TwoInputs(positions_first=True)), "TwoInputs")
+
+
+def test_values_read_from_several_stages_back_are_passed_on_through_every_stage_between():
+    """Stage 3 reads stage 2's output, a value stage 0 computes and stage 1's one output: passing the first on makes
+    stage 1's output a tuple, and the second is then passed on from its place in it. The split runs the model."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    from gradsched.pipeline_split import check_adjacent_stages, pass_through_skips
+
+    class Skips(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l0, self.l1, self.l2, self.l3 = (torch.nn.Linear(4, 4) for _ in range(4))
+
+        def forward(self, x):
+            h0, e = self.l0(x), torch.tanh(x)
+            h1 = self.l1(h0)
+            return self.l3(self.l2(h1)) + e * h1
+
+    torch.manual_seed(0)
+    model, x = Skips(), torch.randn(2, 4)
+    with torch.no_grad():
+        pipe = pipeline(model, mb_args=(x,), split_spec={p: SplitPoint.BEGINNING for p in ("l1", "l2", "l3")})
+        assert pass_through_skips(pipe) == 3  # e through stages 1 and 2, h1 through stage 2
+        check_adjacent_stages(pipe, "Skips")
+        assert torch.equal(pipe(x)[0], model(x))

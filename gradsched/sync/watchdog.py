@@ -102,7 +102,7 @@ class _Journal:
         self.seen: dict[int, tuple[int, float]] = {}  # rank -> (its last beat, when this rank saw it change)
         self.gone: set[int] = set()  # the neighbour this rank posted gone
         self.last: Entry | None = None  # the entry closed last
-        self.publish_asked = False  # the main thread asked the watchdog's thread to publish now (_publish_now)
+        self.publish_asked = False  # a step ended since the last beat's publish: `_stop` publishes it at exit
         self.ending = False  # the watchdog is writing its report and will end the process
         self.counts, self.counts_moved = None, time.monotonic()  # this rank's groups' sequence numbers, and
         # when they last moved (this rank's clock): a rank that issues nothing for the fault timeout is judged

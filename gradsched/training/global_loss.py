@@ -7,6 +7,7 @@ loss, and the factor that turns the reduced gradients into the global mean's, co
 """
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
@@ -50,7 +51,8 @@ class GlobalLoss:
         if self._compiled is not None:
             try:
                 return self._compiled(out, target, keep, weight)
-            except torch._dynamo.exc.Unsupported as e:  # refused while tracing, before anything ran
+            # refused while tracing, before anything ran (fullgraph: a graph break, or past Dynamo's recompile limit)
+            except (torch._dynamo.exc.Unsupported, torch._dynamo.exc.FailOnRecompileLimitHit) as e:
                 self._compiled = None
                 warnings.warn(f"gradsched: loss_fn could not be compiled ({str(e).splitlines()[0]}); it runs "
                               "eagerly after the last stage's graph, op by op (more host time per micro-batch). "
@@ -115,4 +117,8 @@ def _compiled_gated(loss_fn):
     the same every step under pp > 1 (ParallelModel checks them)."""
     def gated_loss(out, target, keep, weight):
         return loss_weights.gated(loss_fn, out, target, keep, weight, in_graph=True)
-    return torch.compile(gated_loss, backend="inductor", fullgraph=True, dynamic=False)
+    # a code object of its own: Dynamo caches per code object, and models built in one process (each with its
+    # loss_fn and shapes) would otherwise share one cache and its recompile limit
+    own = types.FunctionType(gated_loss.__code__.replace(), gated_loss.__globals__, "gated_loss",
+                             gated_loss.__defaults__, gated_loss.__closure__)
+    return torch.compile(own, backend="inductor", fullgraph=True, dynamic=False)

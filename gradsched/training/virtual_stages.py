@@ -95,8 +95,11 @@ class RankStages(nn.Module):
 def refuse_with_several_stages(options, plan, on_meta: bool) -> None:
     """What several stages a rank do not run yet, refused at parallelize (before any collective)."""
     why = ("shard='params'" if options.shard == "params" else f"cp={plan.cp} (context parallelism)" if plan.cp > 1
-           else "a model built on the meta device" if on_meta else None)
+           else "a model built on the meta device" if on_meta
+           # no one backward graph holds a rank's gradients: its buckets are reduced in the flush
+           else "placement='backward'" if options.placement == "backward" else None)
     if why is not None:
         raise ValueError(f"several pipeline stages a rank (interleaved_1f1b, zbv, zb1p with stages_per_rank > 1) do "
-                         f"not run with {why} yet: use shard=True or False, cp=1 and a model that holds values, or "
-                         "one stage a rank (1f1b, gpipe, zb1p).")
+                         f"not run with {why} yet: use shard=True or False, cp=1, a model that holds values and "
+                         "placement 'auto', 'split' or 'flush' (every bucket is reduced in the flush), or one stage a "
+                         "rank (1f1b, gpipe, zb1p).")
