@@ -178,7 +178,6 @@ class ParallelModel:
         self.stages = [(s, torch.compile(modules[s], fullgraph=self.fullgraph, backend=backend), modules[s])
                        for s in self.local]
         self.module = self.stages[0][1]
-        self._loss_in_graph = None
 
     def allocate(self, inputs, targets, positions=None, attention_mask=None) -> None:
         """A model built on meta: allocate and initialize this rank's stage for batches like these (the first

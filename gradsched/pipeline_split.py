@@ -39,7 +39,12 @@ def pass_through_skips(pipe) -> int:
     """Pipelining hands a stage the previous stage's outputs only. A value a stage reads from further back (a
     Hugging Face decoder's rotary embeddings, computed once in the first stage for every layer) is passed through
     each stage in between, in place: each takes it as one more input and returns it as one more output (one
-    more tensor sent, nothing computed). Returns how many (value, stage) passes it added."""
+    more tensor sent, nothing computed). Returns how many (value, stage) passes it added.
+
+    Invariant established: every stage after the first reads, among other stages' values, only the outputs of the
+    stage just before it (check_adjacent_stages holds), and the split computes what it computed before. Assumes the
+    reads are positional arguments of the stages' calls (one read through a keyword or a nested structure is left
+    for check_adjacent_stages to refuse)."""
     gm = pipe.split_gm
     calls = [n for n in gm.graph.nodes if n.op == "call_module"]
     stage_of = {n: int(str(n.target).rsplit("_", 1)[1]) for n in calls}

@@ -252,6 +252,14 @@ def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():
         main(["--model", "llama-tiny", "--pp", "8"])
 
 
+def test_a_schedule_of_several_stages_a_rank_is_refused_by_name():
+    pytest.importorskip("transformers")
+    from gradsched.dryrun import main
+    for schedule in ("zbv", "interleaved_1f1b"):
+        with pytest.raises(SystemExit, match=f"--schedule {schedule}: the dry run does not price several stages"):
+            main(["--model", "llama-tiny", "--pp", "2", "--microbatches", "4", "--schedule", schedule])
+
+
 def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     """gradsched.sizing.fit prices a layout from a few probes of one and two layers; the reference is the dry
     run of that layout, every stage built: its worst stage's peak and that stage's state."""

@@ -94,7 +94,7 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                              inject_host_read=True, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
     "inductor_pp2_dp2_zbv_all_reduce_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, shard=False,
-                                              compiler="inductor"),
+                                              steps=5, host_reads=STEADY, compiler="inductor"),
     # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code
     "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
                                                     steps=5, host_reads=STEADY, capture_code=True,

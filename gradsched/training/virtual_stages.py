@@ -15,9 +15,6 @@ import torch.nn as nn
 
 from gradsched.sync.ties import Tie, used_parameters
 
-STYLES = ("loop", "v")
-
-
 def stage_ranks(pp: int, v: int, style: str) -> list[int]:
     """The pipeline rank holding each of the pp x v stages."""
     if style == "v":
