@@ -119,11 +119,15 @@ def reduced_gradients_marker(sync, device) -> torch.Tensor:
     grads = sync.reduced()  # shards, or whole buckets (shard=False): a few tensors, not one a parameter
     if len(grads) != len(plan.layout.buckets):
         grads = [p.grad for p in sync.params.values() if p.grad is not None]
-    grads = [g for g in grads if g.numel()]
-    if not grads:
-        return torch.zeros((), dtype=torch.float64, device=device)
-    # one pass a gradient (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5)
-    values = [v for g in grads for v in _finite_iff_elements_are(g)]
+    return marker_of(grads) if grads else torch.zeros((), dtype=torch.float64, device=device)
+
+
+def marker_of(grads: list) -> torch.Tensor:
+    """A float64 scalar, finite exactly when every element of `grads` (not all empty) is: one pass a tensor
+    (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5)."""
+    values = [v for g in grads if g.numel() for v in _finite_iff_elements_are(g)]
+    if not values:
+        return grads[0].new_zeros((), dtype=torch.float64)
     return values[0] if len(values) == 1 else (torch.stack(values) * 0).sum()
 
 
@@ -179,17 +183,23 @@ def issue_step(sync, what: str, device) -> Issued:
     return Issued(out, work, what)
 
 
-def finish_step(sync, issued: Issued) -> None:
-    """Wait for `issue_step`'s gather; every rank's reduced-gradient flag is this rank's own (`reduced_alike`),
-    kept beside the rows (`check` adds it; onto every row only to describe a bad step)."""
+def wait_issued(sync, issued: Issued) -> torch.Tensor:
+    """`issue_step`'s gathered rows, waited for."""
     if issued.work is not None:
         with JOURNAL.entry(issued.what, "collective", process_group(sync.setup.all_ranks), "all_gather",
                            issued.out.numel(), issued.out.dtype):
             issued.work.wait()
-    rows = issued.out
+    return issued.out
+
+
+def finish_step(sync, rows: torch.Tensor) -> None:
+    """After `wait_issued`: every rank's reduced-gradient flag is this rank's own (`reduced_alike`), kept beside
+    the rows (`check` adds it; onto every row only to describe a bad step). Where it read local gradients, not
+    reduced ones, they may differ: the ranks agree on them. (gradsched.training.step_end makes the flag in
+    its one graph otherwise.)"""
     own = reduced_gradients_marker(sync, rows.device)
-    if len(sync.reduced()) != len(sync.sync_plan.layout.buckets):  # it read local gradients, not reduced ones:
-        own = _gathered(sync, (own * 0).reshape(1), issued.what).sum()  # they may differ, so agree on them
+    if len(sync.reduced()) != len(sync.sync_plan.layout.buckets):
+        own = _gathered(sync, (own * 0).reshape(1), "the step's reduced-gradient flags").sum()
     sync.nonfinite.agreed, sync.nonfinite.own_grads = rows, own
 
 

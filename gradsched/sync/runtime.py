@@ -295,22 +295,24 @@ class GradSync:
         shorter until every graph of the step has run."""
         return [self.results[b.index] for b in self._require_built().plan.layout.buckets if b.index in self.results]
 
+    def reduced_storage(self) -> list[torch.Tensor]:
+        """The fewest tensors holding this step's reduced gradients, each element once: the reduced buckets
+        (shards, or whole buckets where every .grad is a view of one: shard=False), else `gradients()`."""
+        buckets = self.reduced()
+        if len(buckets) != len(self._require_built().plan.layout.buckets):
+            return self.gradients()
+        if self.built.plan.shard:
+            return buckets
+        held = {b.untyped_storage().data_ptr() for b in buckets}
+        grads = self.gradients()
+        return buckets if all(g.untyped_storage().data_ptr() in held for g in grads) else grads
+
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding this step's reduced gradients, each element once: the reduced shards (shard=True or
         "params"), else each parameter's .grad (views of the all-reduced buckets)."""
         if self._require_built().plan.shard:
             return self.reduced()
         return [p.grad for p in self.params.values() if p.grad is not None]
-
-    @torch.no_grad()
-    def scale_gradients(self, factor: torch.Tensor) -> None:
-        """Multiply this step's reduced gradients by `factor` (a device scalar, never read) in place: within an ulp
-        or two of their own dtype (the kernels take the factor as float32); exact when it is 1."""
-        by_dtype: dict = {}
-        for g in self.gradients():
-            by_dtype.setdefault(g.dtype, []).append(g)
-        for dtype, grads in by_dtype.items():  # one dtype a call: foreach's fast path (mixed, it loops: 10x slower)
-            torch._foreach_mul_(grads, factor.to(torch.float64 if dtype == torch.float64 else torch.float32))
 
     def clear_results(self) -> None:
         """The optimizer has consumed this step's reduced buckets."""

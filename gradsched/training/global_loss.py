@@ -84,21 +84,25 @@ class GlobalLoss:
         gradients are scaled to the global batch's mean. Returns the step's loss where `losses` (this rank's
         micro-batch losses) is given, else None."""
         flags, w = sync.nonfinite, self.weights
+        mark = False  # this rank's reduced-gradient flag made with the arithmetic (issued: every rank's alike)
         if issued is not None:
-            nonfinite.finish_step(sync, issued)
+            rows = nonfinite.wait_issued(sync, issued)
+            mark = len(sync.reduced()) == len(sync.sync_plan.layout.buckets)
+            if not mark:  # local gradients, not reduced ones
+                nonfinite.finish_step(sync, rows)
         else:
             if losses is not None:
                 self._loss_row(sync, losses)
             device = next(iter(sync.params.values())).device
             nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device), what=WHAT)
-        agreed = flags.agreed
-        loss, factor = loss_weights.step_result(agreed[:, nonfinite.COUNT], agreed[:, nonfinite.SHARE],
-                                                agreed[:, nonfinite.SCALE], self.average)
+            rows = flags.agreed
+        scale = w.scale() if w is not None else None
+        loss, factor, next_scale, own = end_arithmetic(rows, sync.reduced_storage(), scale, self.average, mark)
+        if mark:
+            flags.agreed, flags.own_grads = rows, own
         flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
-        if factor is not None:
-            sync.scale_gradients(factor)
-            if w is not None:
-                self.scale = loss_weights.next_scale(w.scale(), agreed[:, nonfinite.COUNT])
+        if next_scale is not None:
+            self.scale = next_scale
         return loss.float() if losses is not None else None
 
     def _loss_row(self, sync, losses: list) -> None:
@@ -109,6 +113,30 @@ class GlobalLoss:
         zero = torch.zeros_like(share)  # average=False: no count, no scale
         sync.nonfinite.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else
                                               [zero, share, zero])
+
+
+@torch.no_grad()
+def end_arithmetic(rows: torch.Tensor, grads: list, scale, average: bool, mark: bool):
+    """(loss, factor, next scale, marker), after the step's row gather (`rows`: [world, SLOTS], every rank's):
+    the step's loss and K / N (loss_weights.step_result); `grads`, the tensors holding this rank's reduced
+    gradients (GradSync.reduced_storage: the buckets or shards, a few tensors), scaled by it in place; the next
+    step's K (None without a `scale`); and with `mark` (every rank's reduced gradients alike), this rank's
+    marker of them before the scaling (nonfinite.marker_of), else None. Over the buckets, not each parameter's
+    .grad: a pass a bucket, not ops a parameter. (Compiled by Inductor it ran no faster on a CPU core: what is
+    left is the ~10 ops' dispatch, and each model would pay a compile.)"""
+    counts = rows[:, nonfinite.COUNT]
+    loss, factor = loss_weights.step_result(counts, rows[:, nonfinite.SHARE], rows[:, nonfinite.SCALE], average)
+    marker = nonfinite.marker_of(grads) if mark else None
+    next_scale = None
+    if factor is not None:
+        by_dtype: dict = {}
+        for g in grads:
+            by_dtype.setdefault(g.dtype, []).append(g)
+        for dtype, same in by_dtype.items():  # one dtype a call: foreach's fast path (mixed, it loops: 10x slower)
+            torch._foreach_mul_(same, factor.to(torch.float64 if dtype == torch.float64 else torch.float32))
+        if scale is not None:
+            next_scale = loss_weights.next_scale(scale, counts)
+    return loss, factor, next_scale, marker
 
 
 def _compiled_gated(loss_fn):
