@@ -4,14 +4,18 @@ gradients against one process.
     python benchmarks/pipeline.py --pp 2 --microbatches 4 [--plot timeline.png]
 
 The 8-layer tied GPT of benchmarks/memory.py (dim 512, vocab 8192, 64 tokens; the embedding is the LM head,
-so the tie spans the first and the last stage), split evenly into pp stages (2 pp for interleaved_1f1b and zbv,
-two a rank: under zbv's V the first and the last stage share rank 0, and the tie is one Parameter there), one
+so the tie spans the first and the last stage), split into pp stages (2 pp for interleaved_1f1b and zbv,
+two a rank: under zbv's V the first and the last stage share rank 0, and the tie is one Parameter there) at
+block boundaries: by default where each schedule's ranks are busy alike, from each piece's measured time
+(gradsched.balanced_split_points; the head and its loss cost ~1.7 blocks here, and a V puts them on rank 0
+with the embedding), or with --split even the same number of blocks a stage; one
 sequence per micro-batch, the same global batch for every schedule, AdamW. gradsched runs each of its schedules
 in turn, in one set of pp processes (one thread each); then torch.distributed.pipelining's own
 ScheduleInterleavedZeroBubble runs the untied copy of the model in eager (the peer: pipelining refuses compiled stages under it, and torchtitan
 refuses ties under pipeline parallelism). Steps 1 to --warmup compile and are not timed; each timed step
 starts at a barrier. One JSON object per schedule:
 
+  split_points              where the stages begin (the same for every rank)
   step_ms_median            median over the timed steps of the slowest rank's step (train_step, optimizer step)
   step_vs_1f1b              step_ms_median / gradsched 1f1b's, from this run
   bubble_fraction           1 - (sum over ranks of the time in forwards, backwards (B, W or whole) and the flush)
@@ -81,10 +85,22 @@ def _steps(rank, run_step, timeline: Timeline, a) -> dict:
     return {"rank": rank, "step_times": times, "steps": steps, "peak": cpu_peak.peak()}
 
 
+def split_for(model, job: Job, a) -> tuple:
+    """--split balanced: the split points that balance the ranks for the job's schedule, measured on this
+    model (gradsched.balanced_split_points: every rank the same); even: every stage the same number of blocks."""
+    if a.split == "even":
+        return job.split_points
+    import gradsched
+    x, y = batch(job, 0)
+    candidates = [f"blocks.{i}" for i in range(1, CONFIG.layers)]
+    return gradsched.balanced_split_points(model, (x[:1],), y[:1], lm_loss, candidates, a.pp, job.schedule)
+
+
 def _gradsched(rank, schedule: str, a) -> dict:
     import gradsched
     job = job_for(a.pp, a.microbatches, schedule, a.compiler)
-    model, split_points = build_model(job)
+    model, _ = build_model(job)
+    split_points = split_for(model, job, a)
     plan = gradsched.ParallelPlan.from_world(pp=a.pp)
     pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=split_points, schedule=schedule,
                                microbatches=a.microbatches, compiler=a.compiler)
@@ -101,7 +117,7 @@ def _gradsched(rank, schedule: str, a) -> dict:
         opt.zero_grad()
         return scheduled
     out = _steps(rank, run_step, pm.timeline, a)
-    return out | {"grads": grads, "tie_bytes": pm.grad_sync.tied_bytes_per_step()}
+    return out | {"grads": grads, "tie_bytes": pm.grad_sync.tied_bytes_per_step(), "split": split_points}
 
 
 def _peer(rank, a) -> dict:
@@ -109,7 +125,8 @@ def _peer(rank, a) -> dict:
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, SplitPoint, pipeline
     job = job_for(a.pp, a.microbatches, "zb1p", "eager", variant="untied")
-    model, split_points = build_model(job)
+    model, _ = build_model(job)
+    split_points = split_for(model, job, a)
     x0, _ = batch(job, 0)
     pipe = pipeline(model, mb_args=(x0[:1],), split_spec={p: SplitPoint.BEGINNING for p in split_points})
     module = pipe.get_stage_module(rank)
@@ -141,7 +158,7 @@ def _peer(rank, a) -> dict:
         opt.step()
         opt.zero_grad()
         return scheduled
-    return _steps(rank, run_step, timeline, a) | {"grads": grads, "tie_bytes": 0}
+    return _steps(rank, run_step, timeline, a) | {"grads": grads, "tie_bytes": 0, "split": split_points}
 
 
 def bench_rank(rank: int, world: int, a) -> dict:
@@ -200,6 +217,8 @@ def main() -> None:
     ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     ap.add_argument("--no-peer", dest="peer", action="store_false", help="skip pipelining's own ZB-H1")
+    ap.add_argument("--split", default="balanced", choices=("balanced", "even"),
+                    help="stages by measured time for each schedule's placement (default), or the same blocks each")
     ap.add_argument("--plot", default="", help="write one step's timeline per schedule to this PNG")
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
                     "pipeline_pp{pp}_m{microbatches}.jsonl")
@@ -216,7 +235,8 @@ def main() -> None:
     for name, ranks in results.items():
         step = statistics.median(max(s) for s in zip(*(r["step_times"] for r in ranks)))
         rows.append({"bench": "pipeline", "schedule": name, "pp": a.pp, "microbatches": a.microbatches,
-                     "compiler": "eager" if name == PEER else a.compiler, "step_ms_median": round(step * 1e3, 1),
+                     "compiler": "eager" if name == PEER else a.compiler, "split_points": list(ranks[0]["split"]),
+                     "step_ms_median": round(step * 1e3, 1),
                      "bubble_fraction": round(bubble(ranks), 4),
                      "peak_bytes_per_rank": max(r["peak"] for r in ranks),
                      "tie_bytes_per_step": max(r["tie_bytes"] for r in ranks),

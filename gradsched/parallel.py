@@ -70,7 +70,7 @@ class ParallelModel:
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self._init = deferred_init(model, init_weights, init_seed)  # a model on meta: allocated per stage at step 1
         if self.stages_per_rank > 1:
-            refuse_with_several_stages(self.options, plan, self._init is not None)
+            refuse_with_several_stages(self.options, plan)
         self._local = None
         self.within_module_ties = shared_parameters(model)
         self._keys = list(model.state_dict().keys())  # the unsplit model's, tied names included

@@ -553,6 +553,8 @@ def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, sav
     plan = gradsched.ParallelPlan.from_world(pp=pp)
     config = TinyGPT().config
     model, split_points, init = build_on_meta(model_name)
+    options = dict(options)
+    split_points = options.pop("split_points", split_points)  # zbv: four stages
     pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=split_points if pp > 1 else (),
                                init_weights=init, compiler="eager", **options)
     opt = gradsched.DistributedOptimizer(pm, torch.optim.SGD, lr=0.5)

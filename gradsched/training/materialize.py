@@ -109,14 +109,18 @@ def _poisoned(t: torch.Tensor) -> bool:
 
 def materialize(module: nn.Module, device: torch.device, init):
     """Allocate `module`'s meta tensors on `device` and initialize them; `init` is deferred_init's (None: nothing
-    to do). Returns what is left to do: None, or `init` itself on a meta device (the dry run)."""
+    to do). Returns what is left to do: None, or `init` itself on a meta device (the dry run). Several stages a
+    rank: `module` is their RankStages, whose `stage_modules` hold the graphs and the same tensors (a tie on the
+    rank one Parameter there too): all allocated together, each tensor once, and initialized by their names."""
     if init is None or device.type == "meta":
         return init
     check_init(init, device)
     error = None
+    parts = [*getattr(module, "stage_modules", ()), module]
     try:
-        _allocate(module, device)
-        _retarget_factories(module, device)
+        _allocate(parts, device)
+        for part in parts:
+            _retarget_factories(part, device)
         initialize(module, *init)
     except Exception as e:  # noqa: BLE001 - agreed below, then raised
         error = e
@@ -162,11 +166,12 @@ def _retarget_factories(module: nn.Module, device: torch.device) -> None:
             (mod if isinstance(mod, torch.fx.GraphModule) else mod.__dict__["graph_module"]).recompile()
 
 
-def _allocate(module: nn.Module, device: torch.device) -> None:
+def _allocate(modules: list, device: torch.device) -> None:
     """Each meta tensor replaced by an empty one on `device`, once: names that shared a tensor still share one (a
-    tie). Module.to_empty would give each name its own Parameter, and the stage would train a tie's copies apart."""
+    tie), in every module given. Module.to_empty would give each name its own Parameter, and the stage would train
+    a tie's copies apart."""
     new = {}
-    for mod in module.modules():
+    for mod in (m for module in modules for m in module.modules()):
         for table, make in ((mod._parameters, lambda t: nn.Parameter(torch.empty_like(t, device=device), t.requires_grad)),
                             (mod._buffers, lambda t: torch.empty_like(t, device=device))):
             for key, t in list(table.items()):

@@ -61,6 +61,8 @@ class RankStages(nn.Module):
 
     def __init__(self, stage_modules: list[nn.Module]):
         super().__init__()
+        # not submodules (state dicts and parameters would name each tensor twice): what materialize allocates too
+        self.__dict__["stage_modules"] = list(stage_modules)
         # a name the split left on several stages (a tied weight's stale copy on a stage that never reads it)
         # is the copy of the stage that reads it; the read ones first, in stage order (a Parameter under two
         # names is then named by its first stage's, as the rank's GradSync names it)
@@ -89,14 +91,13 @@ class RankStages(nn.Module):
         raise RuntimeError("RankStages holds a rank's pipeline stages for their state; each stage runs on its own.")
 
 
-def refuse_with_several_stages(options, plan, on_meta: bool) -> None:
+def refuse_with_several_stages(options, plan) -> None:
     """What several stages a rank do not run yet, refused at parallelize (before any collective)."""
     why = ("shard='params'" if options.shard == "params" else f"cp={plan.cp} (context parallelism)" if plan.cp > 1
-           else "a model built on the meta device" if on_meta
            # no one backward graph holds a rank's gradients: its buckets are reduced in the flush
            else "placement='backward'" if options.placement == "backward" else None)
     if why is not None:
         raise ValueError(f"several pipeline stages a rank (interleaved_1f1b, zbv, zb1p with stages_per_rank > 1) do "
-                         f"not run with {why} yet: use shard=True or False, cp=1, a model that holds values and "
+                         f"not run with {why} yet: use shard=True or False, cp=1 and "
                          "placement 'auto', 'split' or 'flush' (every bucket is reduced in the flush), or one stage a "
                          "rank (1f1b, gpipe, zb1p).")

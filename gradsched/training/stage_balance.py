@@ -1,0 +1,164 @@
+"""Split points that balance the pipeline's ranks, from each piece's measured time, for a placement of stages.
+
+    balanced_split_points(model, example, target, loss_fn, candidates, pp, schedule) -> split_points
+
+Why measured: an LM's first and last pieces are not blocks. The head's matmul and its loss over the vocabulary,
+and a dense embedding gradient, cost what one to several blocks do, and which one depends on vocabulary, width and
+device. Under a V (zbv) both sit on rank 0, so an even split of the blocks leaves rank 0 the slowest and every
+other rank waiting on it (Megatron's `account_for_embedding_in_pipeline_split` counts each as one layer; DualPipe
+and ZB-V papers hand-tune the first and last stage).
+
+`measure_pieces` splits the model at every candidate (torch.distributed.pipelining, as parallelize does), runs one
+micro-batch forward, the loss and the backward through the pieces in turn, and times each piece (the median of a
+few runs, the device synchronised around each). Every rank measures; the times are averaged over the ranks (one
+all-reduce), so every rank chooses the same split. `choose_stages` is plain arithmetic: of the ways to cut the
+pieces into stages (contiguous), the one whose busiest rank (the sum of its stages, by `stage_ranks`) is the
+least, then whose largest stage is the least.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from gradsched.pipeline_split import pass_through_skips
+from gradsched.training.pipeline_schedule import stage_placement
+from gradsched.training.virtual_stages import stage_ranks
+
+EXHAUSTIVE = 200_000  # cuts tried one by one up to this many; past it, the largest stage is minimised (exactly)
+
+
+def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp: int, schedule: str = "1f1b",
+                          stages_per_rank: int | None = None, repeats: int = 5) -> tuple[str, ...]:
+    """The pp x (stages a rank) - 1 names of `candidates` (in model order: the points where a stage may begin,
+    e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
+    micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
+    process group is up), with real weights: it runs the model."""
+    v, style = stage_placement(schedule, stages_per_rank)
+    ranks = stage_ranks(pp, v, style)
+    if len(candidates) < len(ranks) - 1:
+        raise ValueError(f"{len(candidates)} candidate split points cannot make {len(ranks)} stages "
+                         f"({pp} ranks x {v}): give at least {len(ranks) - 1}.")
+    costs = measure_pieces(model, example, target, loss_fn, candidates, repeats)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(costs)  # every rank the same costs, so the same split
+        costs /= dist.get_world_size()
+    starts = choose_stages(costs.tolist(), ranks)
+    return tuple(candidates[i - 1] for i in starts)
+
+
+def choose_stages(costs: list[float], ranks: list[int]) -> list[int]:
+    """Where each stage but the first begins (piece indices, ascending), cutting the pieces (`costs`, in order)
+    into len(ranks) contiguous stages, stage s on rank ranks[s]: the busiest rank's load least, then the largest
+    stage least, then the earliest cuts."""
+    n, k = len(costs), len(ranks)
+    if not 1 <= k <= n:
+        raise ValueError(f"{n} pieces cannot make {k} stages.")
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    if math.comb(n - 1, k - 1) > EXHAUSTIVE:
+        return _least_largest_stage(prefix, k)
+    best = None
+    for cut in itertools.combinations(range(1, n), k - 1):
+        bounds = (0, *cut, n)
+        stage = [prefix[b] - prefix[a] for a, b in zip(bounds, bounds[1:])]
+        load: dict = {}
+        for s, r in enumerate(ranks):
+            load[r] = load.get(r, 0.0) + stage[s]
+        key = (max(load.values()), max(stage), cut)
+        if best is None or key < best:
+            best = key
+    return list(best[2])
+
+
+def _least_largest_stage(prefix: list[float], k: int) -> list[int]:
+    """The cut into k contiguous stages whose largest stage is least (dynamic programming, O(k n^2))."""
+    n = len(prefix) - 1
+    inf = float("inf")
+    worst = [[inf] * (n + 1) for _ in range(k + 1)]  # worst[j][i]: pieces 0..i-1 in j stages
+    back = [[0] * (n + 1) for _ in range(k + 1)]
+    worst[0][0] = 0.0
+    for j in range(1, k + 1):
+        for i in range(j, n + 1):
+            for a in range(j - 1, i):
+                w = max(worst[j - 1][a], prefix[i] - prefix[a])
+                if w < worst[j][i]:
+                    worst[j][i], back[j][i] = w, a
+    cut, i = [], n
+    for j in range(k, 1, -1):
+        i = back[j][i]
+        cut.append(i)
+    return cut[::-1]
+
+
+def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: int = 3) -> torch.Tensor:
+    """[len(candidates) + 1] float64 seconds: each piece's forward and backward on one micro-batch (the last
+    piece with the loss), the median of `repeats` runs after one unmeasured. The model's gradients are left
+    as they were."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("balanced_split_points runs the model: build it with real weights (it was on the meta "
+                         "device), or measure a copy of the same architecture.")
+    marked = [model.get_submodule(c) for c in candidates]
+    before = [(m, dict((k, m.__dict__[k]) for k in ("forward", "_orig_forward") if k in m.__dict__)) for m in marked]
+    try:
+        with torch.no_grad(), warnings.catch_warnings():  # as parallelize's split (a no_grad forward traces whole)
+            warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
+            pipe = pipeline(model, mb_args=example, split_spec={c: SplitPoint.BEGINNING for c in candidates})
+    finally:  # pipelining marks the split points by replacing their forward on the model itself: parallelize's
+        for m, attrs in before:  # own split of the same model would then wrap them twice (and recurse)
+            for k in ("forward", "_orig_forward"):
+                m.__dict__.pop(k, None)
+            m.__dict__.update(attrs)
+    pass_through_skips(pipe)  # each piece then takes the previous piece's outputs only
+    pieces = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
+    params = {id(p): p for m in (model, *pieces) for p in m.parameters()}.values()
+    kept = [(p, p.grad) for p in params]
+    device = example[0].device
+    try:
+        runs = [_one_run(pieces, example, target, loss_fn, device) for _ in range(repeats + 1)][1:]
+    finally:
+        for p, g in kept:
+            p.grad = g
+    return torch.tensor([statistics.median(r[i] for r in runs) for i in range(len(pieces))],
+                        dtype=torch.float64, device=device)
+
+
+def _one_run(pieces, example, target, loss_fn, device) -> list[float]:
+    """Seconds each piece took, forward and backward; each piece's inputs are leaves, so its backward stops there."""
+    times, ins, outs = [], [], []
+    args = example
+    for piece in pieces:
+        args = tuple(a.detach().requires_grad_() if a.is_floating_point() else a for a in args)
+        _sync(device)
+        t0 = time.perf_counter()
+        out = piece(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        if piece is pieces[-1]:
+            out = (loss_fn(out[0] if len(out) == 1 else out, target),)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        ins.append(args)
+        outs.append(out)
+        args = out
+    grads = None
+    for i in reversed(range(len(pieces))):
+        pairs = [(o, g) for o, g in zip(outs[i], grads or [None] * len(outs[i]))
+                 if isinstance(o, torch.Tensor) and o.requires_grad and (g is not None or grads is None)]
+        _sync(device)
+        t0 = time.perf_counter()
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs] if grads is not None else None)
+        _sync(device)
+        times[i] += time.perf_counter() - t0
+        grads = [a.grad if isinstance(a, torch.Tensor) else None for a in ins[i]]
+    return times
+
+
+def _sync(device: torch.device) -> None:
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)

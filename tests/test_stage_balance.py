@@ -1,0 +1,78 @@
+"""balanced_split_points: the split that balances the ranks for a placement of stages, from measured pieces."""
+import random
+
+import torch
+import torch.nn as nn
+
+from gradsched.training.stage_balance import _least_largest_stage, balanced_split_points, choose_stages
+from gradsched.training.virtual_stages import stage_ranks
+
+
+def test_one_stage_a_rank_moves_blocks_off_a_heavy_last_stage():
+    # seven blocks and a head costing five: an even 4 | 4 split loads the last rank 8, this one 6 | 6
+    assert choose_stages([1.0] * 7 + [5.0], stage_ranks(2, 1, "loop")) == [6]
+
+
+def test_a_v_gives_its_first_rank_short_first_and_last_stages():
+    # an embedding and a head costing three blocks each: under the V both are rank 0's, so rank 0 takes no block
+    # (the even cut 2, 4, 6 loads rank 0 with 8 of 12)
+    assert choose_stages([3.0] + [1.0] * 6 + [3.0], stage_ranks(2, 2, "v")) == [1, 4, 7]
+
+
+def test_looped_stages_balance_each_ranks_sum_not_each_stage():
+    # rank 0 holds stages 0 and 2: a heavy first piece is offset by a short third stage
+    costs = [4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 2.0]
+    cut = choose_stages(costs, stage_ranks(2, 2, "loop"))
+    bounds = [0, *cut, len(costs)]
+    stages = [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+    assert max(stages[0] + stages[2], stages[1] + stages[3]) == 6.0  # of 12: the best any cut can do
+
+
+def test_the_fallback_for_many_pieces_finds_the_least_largest_stage_that_trying_every_cut_finds():
+    rng = random.Random(0)
+    for _ in range(30):
+        n = rng.randint(2, 9)
+        k = rng.randint(1, n)
+        costs = [rng.choice([0.5, 1.0, 1.5, 3.0]) for _ in range(n)]
+        exhaustive = choose_stages(costs, list(range(k)))  # one stage a rank: the busiest rank is the largest stage
+        prefix = [sum(costs[:i]) for i in range(n + 1)]
+        dp = _least_largest_stage(prefix, k)
+
+        def largest(cut):
+            b = [0, *cut, n]
+            return max(prefix[j] - prefix[i] for i, j in zip(b, b[1:]))
+        assert len(dp) == k - 1 and dp == sorted(set(dp)) and largest(dp) == largest(exhaustive)
+
+
+class Wide(nn.Module):
+    """Four small blocks and a head 32 times as wide: the head's piece costs several blocks."""
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
+        self.head = nn.Linear(32, 2048)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for b in self.blocks:
+            h = torch.relu(b(h))
+        return self.head(h)
+
+
+def _loss(out, y):
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def test_the_measured_split_moves_blocks_off_the_heavy_head_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = Wide()
+    x, y = torch.randint(0, 64, (2, 256)), torch.randint(0, 2048, (2, 256))
+    before = model(x).detach()
+    split = balanced_split_points(model, (x,), y, _loss, ["blocks.1", "blocks.2", "blocks.3"], pp=2)
+    assert split == ("blocks.3",)  # the head's stage holds one block, not the even two: the head costs ~60 blocks
+    assert all(p.grad is None for p in model.parameters())
+    # parallelize splits the same model again: pipelining's marks of the split points must not have stayed on it
+    from torch.distributed.pipelining import SplitPoint, pipeline
+    pipe = pipeline(model, mb_args=(x,), split_spec={"blocks.2": SplitPoint.BEGINNING})
+    assert torch.equal(pipe.get_stage_module(1)(pipe.get_stage_module(0)(x)), before)
+    assert torch.equal(model(x), before)
