@@ -25,9 +25,9 @@ import torch.nn as nn
 from gradsched.backend import gradsched_backend
 from gradsched.cp.layout import check_takes_seq_idx, model_inputs
 from gradsched.options import SyncOptions
-from gradsched.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, checkpoint_stage_modules,
-                                      checkpointed_calls, hf_checkpointed_layers, pass_through_skips,
-                                      release_other_stages, warn_checkpointing_dropped)
+from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs,
+                                               checkpoint_stage_modules, checkpointed_calls, hf_checkpointed_layers,
+                                               pass_through_skips, release_other_stages, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
 from gradsched.sync.replicas import make_replicas_equal
 from gradsched.sync.boundaries import agree_stage_boundaries

@@ -70,7 +70,7 @@ def test_a_pipeline_stage_gets_back_the_checkpoints_its_trace_ran_as_plain_calls
     import torch
     import torch.utils.checkpoint as ckpt
     from torch.distributed.pipelining import SplitPoint, pipeline
-    from gradsched.pipeline_split import checkpoint_stage_modules, checkpointed_calls
+    from gradsched.training.pipeline_split import checkpoint_stage_modules, checkpointed_calls
     from tiny_gpt import TinyGPT
     before = ckpt.CheckpointFunction, ckpt._checkpoint_without_reentrant_generator
     model, x = TinyGPT(GPTConfig(checkpoint=mode)), torch.zeros(1, 16, dtype=torch.long)
@@ -95,7 +95,7 @@ def test_a_pipeline_stage_gets_back_the_checkpoints_its_trace_ran_as_plain_calls
 
 def test_a_checkpointed_function_that_is_no_modules_call_is_reported_lost():
     import torch
-    from gradsched.pipeline_split import checkpoint_stage_modules, checkpointed_calls
+    from gradsched.training.pipeline_split import checkpoint_stage_modules, checkpointed_calls
     from tiny_gpt import TinyGPT
     model = TinyGPT(GPTConfig())
 

@@ -57,7 +57,8 @@ CASES = {
     "pp1_dp4_backward_m2_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64",
                                                          microbatches=2),
     # context parallelism
-    "pp2_cp2_zb1p_m2": job(2, 1, 2, schedule="zb1p", microbatches=2),  # the ring's backward as B and W
+    # the ring's backward as B and W, in a V (two stages a rank)
+    "pp2_cp2_zbv_m4": job(2, 1, 2, schedule="zbv", layers=4, microbatches=4),
     "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
     "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),

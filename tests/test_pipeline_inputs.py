@@ -4,7 +4,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.pipelining import SplitPoint, pipeline
 
-from gradsched.pipeline_split import check_first_stage_inputs
+from gradsched.training.pipeline_split import check_first_stage_inputs
 from gradsched.user_errors import StageError
 
 
@@ -43,7 +43,7 @@ def test_values_read_from_several_stages_back_are_passed_on_through_every_stage_
     stage 1's output a tuple, and the second is then passed on from its place in it. The split runs the model."""
     from torch.distributed.pipelining import SplitPoint, pipeline
 
-    from gradsched.pipeline_split import check_adjacent_stages, pass_through_skips
+    from gradsched.training.pipeline_split import check_adjacent_stages, pass_through_skips
 
     class Skips(torch.nn.Module):
         def __init__(self):

@@ -5,8 +5,10 @@ param_groups (options by parameter name), clipping (the global norm as one proce
 it), checkpoint and checkpoint_files (layout-free save and load, verified before anything is
 restored), the entry point's pieces (cli, data), and live_bytes (what a step holds, counted as
 it runs: the dry run's measure), loss_weights (the global batch's loss from each rank's share), and
-host_reads (which lines of a step read a tensor's value on the host), and pipeline_schedule
-(torch.distributed.pipelining's schedules run with gradsched's compiled graphs, B and W apart for zero bubble).
+host_reads (which lines of a step read a tensor's value on the host), pipeline_split (what
+torch.distributed.pipelining's split loses, checked or put back), pipeline_schedule (its schedules run with
+gradsched's compiled graphs, B and W apart for zero bubble), virtual_stages (several stages a rank) and
+stage_balance (split points that balance the ranks).
 
 May import: gradsched.sync, gradsched.cp, gradsched.passes and the foundation modules. Never
 the public API modules above it (parallel, backend, hf): a ParallelModel is reached through the

@@ -26,7 +26,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gradsched.pipeline_split import pass_through_skips
+from gradsched.training.pipeline_split import pass_through_skips
 from gradsched.training.pipeline_schedule import stage_placement
 from gradsched.training.virtual_stages import stage_ranks
 

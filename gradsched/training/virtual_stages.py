@@ -93,7 +93,7 @@ class RankStages(nn.Module):
 
 def refuse_with_several_stages(options, plan) -> None:
     """What several stages a rank do not run yet, refused at parallelize (before any collective)."""
-    why = ("shard='params'" if options.shard == "params" else f"cp={plan.cp} (context parallelism)" if plan.cp > 1
+    why = ("shard='params'" if options.shard == "params"
            # no one backward graph holds a rank's gradients: its buckets are reduced in the flush
            else "placement='backward'" if options.placement == "backward" else None)
     if why is not None:
