@@ -36,7 +36,9 @@ class GlobalLoss:
             return
         counts = loss_weights.micro_batch_counts(targets, m, self.ignore_index)
         self.mb_target_shape = targets.chunk(m)[0].shape
-        scale = self.scale if self.scale is not None else loss_weights.global_count(counts, self.plan)
+        # a gradient group of one rank: this step's own count is the global one, no collective (nor scaling)
+        own = self.scale is None or self._exact()
+        scale = loss_weights.global_count(counts, self.plan) if own else self.scale
         self.weights = loss_weights.StepWeights(counts, scale, self.plan)
 
     def __call__(self, out, target, index: int | None = None):
@@ -97,13 +99,19 @@ class GlobalLoss:
             nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device), what=WHAT)
             rows = flags.agreed
         scale = w.scale() if w is not None else None
-        loss, factor, next_scale, own = end_arithmetic(rows, sync.reduced_storage(), scale, self.average, mark)
+        loss, factor, next_scale, own = end_arithmetic(rows, sync.reduced_storage(), scale, self.average, mark,
+                                                       rescale=not self._exact())
         if mark:
             flags.agreed, flags.own_grads = rows, own
         flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
         if next_scale is not None:
             self.scale = next_scale
         return loss.float() if losses is not None else None
+
+    def _exact(self) -> bool:
+        """The weights' K is this step's global count N on every rank (a gradient group of one rank holds the
+        whole global batch: dp = cp = 1): the reduced gradients are the global mean's, K / N exactly 1."""
+        return len(self.plan.group_ranks("grad")) == 1
 
     def _loss_row(self, sync, losses: list) -> None:
         """This rank's loss, checked once, through its share (non-finite exactly when it is), beside its labelled
@@ -116,19 +124,20 @@ class GlobalLoss:
 
 
 @torch.no_grad()
-def end_arithmetic(rows: torch.Tensor, grads: list, scale, average: bool, mark: bool):
+def end_arithmetic(rows: torch.Tensor, grads: list, scale, average: bool, mark: bool, rescale: bool = True):
     """(loss, factor, next scale, marker), after the step's row gather (`rows`: [world, SLOTS], every rank's):
     the step's loss and K / N (loss_weights.step_result); `grads`, the tensors holding this rank's reduced
     gradients (GradSync.reduced_storage: the buckets or shards, a few tensors), scaled by it in place; the next
     step's K (None without a `scale`); and with `mark` (every rank's reduced gradients alike), this rank's
-    marker of them before the scaling (nonfinite.marker_of), else None. Over the buckets, not each parameter's
-    .grad: a pass a bucket, not ops a parameter. (Compiled by Inductor it ran no faster on a CPU core: what is
+    marker of them before the scaling (nonfinite.marker_of), else None. rescale=False: K was N (GlobalLoss._exact),
+    nothing to scale or carry to the next step (at N = 0 the loss is NaN and the step refused, gradients zero).
+    Over the buckets, not each parameter's .grad: a pass a bucket, not ops a parameter. (Compiled by Inductor it ran no faster on a CPU core: what is
     left is the ~10 ops' dispatch, and each model would pay a compile.)"""
     counts = rows[:, nonfinite.COUNT]
     loss, factor = loss_weights.step_result(counts, rows[:, nonfinite.SHARE], rows[:, nonfinite.SCALE], average)
     marker = nonfinite.marker_of(grads) if mark else None
     next_scale = None
-    if factor is not None:
+    if factor is not None and rescale:
         by_dtype: dict = {}
         for g in grads:
             by_dtype.setdefault(g.dtype, []).append(g)

@@ -11,7 +11,9 @@ backward:
   - the reduced gradients are then (N / K) times the global mean's, N this step's global count. N
     rides in the step's one reduction of the non-finite flags (gradsched.sync.nonfinite), each rank's
     count and loss share in its row, and the gradients are scaled by K / N on the device
-    (`step_result`). With a steady count (no padding) K / N is exactly 1.
+    (`step_result`). With a steady count (no padding) K / N is exactly 1. Where the last stage's gradient
+    group is one rank (dp = cp = 1), K is this step's own count (no collective): K / N is 1 and the
+    gradients are not scaled at all (a pass over them saved, ~40 ms a step for 14M parameters on a CPU core).
 With average=False, loss_fn is taken as a sum and summed, over micro-batches and ranks alike.
 """
 from __future__ import annotations

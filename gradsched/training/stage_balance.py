@@ -9,7 +9,7 @@ other rank waiting on it (Megatron's `account_for_embedding_in_pipeline_split` c
 and ZB-V papers hand-tune the first and last stage).
 
 `measure_pieces` splits the model at every candidate (torch.distributed.pipelining, as parallelize does), runs one
-micro-batch forward, the loss and the backward through the pieces in turn, and times each piece (the median of a
+micro-batch forward, the loss and the backward through the pieces in turn, and times each piece (the least of a
 few runs, the device synchronised around each). Every rank measures; the times are averaged over the ranks (one
 all-reduce), so every rank chooses the same split. `choose_stages` is plain arithmetic: of the ways to cut the
 pieces into stages (contiguous), the one whose busiest rank (the sum of its stages, by `stage_ranks`) is the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import statistics
 import time
 import warnings
 
@@ -97,8 +96,8 @@ def _least_largest_stage(prefix: list[float], k: int) -> list[int]:
 
 def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: int = 3) -> torch.Tensor:
     """[len(candidates) + 1] float64 seconds: each piece's forward and backward on one micro-batch (the last
-    piece with the loss), the median of `repeats` runs after one unmeasured. The model's gradients are left
-    as they were."""
+    piece with the loss), the least of `repeats` runs after one unmeasured (noise only adds time). The model's
+    gradients are left as they were."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("balanced_split_points runs the model: build it with real weights (it was on the meta "
@@ -124,7 +123,7 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
     finally:
         for p, g in kept:
             p.grad = g
-    return torch.tensor([statistics.median(r[i] for r in runs) for i in range(len(pieces))],
+    return torch.tensor([min(r[i] for r in runs) for i in range(len(pieces))],
                         dtype=torch.float64, device=device)
 
 
