@@ -4,8 +4,8 @@ gradients against one process.
     python benchmarks/pipeline.py --pp 2 --microbatches 4 [--plot timeline.png]
 
 The 8-layer tied GPT of benchmarks/memory.py (dim 512, vocab 8192, 64 tokens; the embedding is the LM head,
-so the tie spans the first and the last stage), split into pp stages (2 pp for interleaved_1f1b and zbv,
-two a rank: under zbv's V the first and the last stage share rank 0, and the tie is one Parameter there) at
+so the tie spans the first and the last stage), split into pp stages (2 pp for interleaved_1f1b, zbv and
+dualpipev, two a rank: in a V the first and the last stage share rank 0, and the tie is one Parameter there) at
 block boundaries: by default where each schedule's ranks are busy alike, from each piece's measured time
 (gradsched.balanced_split_points; the head and its loss cost ~1.7 blocks here, and a V puts them on rank 0
 with the embedding), or with --split even the same number of blocks a stage; one
@@ -50,8 +50,8 @@ from tied_training import Job, batch, build_model, gradient_error, reduced_gradi
 from tiny_gpt import GPTConfig, lm_loss
 
 CONFIG = GPTConfig(vocab=8192, seq=64, dim=512, heads=8, layers=8)
-SCHEDULES = ("1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv")
-SEVERAL = ("interleaved_1f1b", "zbv")  # two stages a rank: the model split in 2 pp stages
+SCHEDULES = ("1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv", "dualpipev")
+SEVERAL = ("interleaved_1f1b", "zbv", "dualpipev")  # two stages a rank: the model split in 2 pp stages
 PEER = "torch_zb1p_eager_untied"
 WORK = ("F", "B", "W", "BW", "sync")
 
@@ -212,7 +212,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=5, help="timed steps")
+    ap.add_argument("--steps", type=int, default=9, help="timed steps")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)

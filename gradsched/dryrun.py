@@ -323,7 +323,7 @@ def main(argv=None) -> int:
         schedule = resolve_schedule(args.schedule, args.pp, m)
     except ValueError as e:
         raise SystemExit(f"--schedule {args.schedule} with --pp {args.pp} and {m} micro-batches: {e}") from None
-    if schedule in ("interleaved_1f1b", "zbv"):
+    if schedule in ("interleaved_1f1b", "zbv", "dualpipev"):
         raise SystemExit(f"--schedule {schedule}: the dry run does not price several stages a rank yet: price "
                          "zb1p or 1f1b at the same pp instead.")
     print(f"dry run: {name} ({count(sum(p.numel() for p in model.parameters()))} parameters, "

@@ -135,7 +135,8 @@ def parse(argv=None):
     ap.add_argument("--schedule", default="auto", choices=SCHEDULES,
                     help="the pipeline's schedule under --pp > 1 (auto: 1f1b, or gpipe with fewer micro-batches "
                          "than stages; zb1p: zero bubble, the backward split into B and W; interleaved_1f1b: two "
-                         "stages a rank, looped; zbv: two stages a rank in a V, the first and last on rank 0)")
+                         "stages a rank, looped; zbv: two stages a rank in a V, the first and last on rank 0; dualpipev: "
+                         "DualPipe in the same V)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")

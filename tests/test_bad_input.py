@@ -79,6 +79,7 @@ def test_several_stages_a_rank_refuse_sizes_and_options_they_cannot_run_before_a
              r"pp=2 x stages_per_rank=2 needs 3 split_points"),
             ({"schedule": "zbv", "split_points": splits, "microbatches": 2}, r"at least 2 pp - 1 = 3 micro-batches"),
             ({"schedule": "zbv", "split_points": splits, "microbatches": 4, "stages_per_rank": 3}, "two stages a rank"),
+            ({"schedule": "dualpipev", "split_points": splits, "microbatches": 3}, r"as stages, 2 pp = 4"),
             ({"schedule": "1f1b", "split_points": splits, "microbatches": 4, "stages_per_rank": 2},
              "needs a schedule that runs several"),
             ({"schedule": "interleaved_1f1b", "split_points": ["blocks.2"], "microbatches": 4, "stages_per_rank": 1},

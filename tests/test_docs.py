@@ -248,7 +248,7 @@ def test_the_tested_combinations_table_lists_the_option_matrix_rows():
     assert [r[0] for r in rows] == [*matrix.CASES, *matrix.INDUCTOR]
     from gradsched.training.pipeline_schedule import resolve_schedule
     names = {"gpipe": "GPipe", "1f1b": "1F1B", "zb1p": "ZB-H1 (`zb1p`)", "zbv": "ZB-V (`zbv`)",
-             "interleaved_1f1b": "interleaved 1F1B"}
+             "interleaved_1f1b": "interleaved 1F1B", "dualpipev": "DualPipeV (`dualpipev`)"}
     for (name, layout, schedule), job in zip(rows, [*matrix.CASES.values(), *matrix.INDUCTOR.values()]):
         m = job.options.get("microbatches", 1)
         ran = names[resolve_schedule(job.schedule, job.pp, m)] if job.pp > 1 else "-"

@@ -16,6 +16,7 @@ slice runs again under Inductor, the default compiler. docs/parallelism.md lists
 import pytest
 
 from gradsched.launch import run_ranks
+from gradsched.training.pipeline_schedule import SPLIT_BACKWARD
 from tied_training import Job, abs_diff, compare, gradient_error, rank_jobs, reference
 from tiny_gpt import GPTConfig
 
@@ -27,7 +28,7 @@ def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant=
         param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", layers=2,
         **options):
     # several stages a rank (zbv, interleaved_1f1b, stages_per_rank): pp x that many stages, split evenly
-    stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "interleaved_1f1b") else 1)
+    stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                schedule=schedule, split_points=tuple(f"blocks.{i * layers // stages}" for i in range(1, stages)),
                config=GPTConfig(vocab=vocab, layers=layers), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
@@ -77,6 +78,7 @@ CASES = {
     "pp2_dp2_zbv_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw", steps=3),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
+    "pp2_dp2_dualpipev_padded_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
     # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through
     "pp2_dp2_zbv_hf_llama_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw", labels="padded",
@@ -160,16 +162,17 @@ def assert_like_one_process(job_, ranks):
 def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_runs, inductor_runs):
     runs = {**eager_runs, **inductor_runs}
     for name, case in {**CASES, **INDUCTOR}.items():
-        if case.schedule in ("zb1p", "zbv"):  # some stage ran a W after the B of a later micro-batch
+        if case.schedule in SPLIT_BACKWARD:  # some stage ran a W after the B of a later micro-batch
             assert max(r["w_queued_max"] for r in runs[name]) >= 2, name
         else:  # the backward whole: nothing queued
             assert all(r["w_queued_max"] == 0 for r in runs[name]), name
 
 
 def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collective_sums_them(eager_runs):
-    v = eager_runs["pp2_dp2_zbv_adamw_m4"]
-    assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v)
-    assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
+    for name in ("pp2_dp2_zbv_adamw_m4", "pp2_dp2_dualpipev_padded_m4"):
+        v = eager_runs[name]
+        assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v), name
+        assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
     # looped, the same model's first and last stage sit on different ranks: the tie is summed over them
     looped = eager_runs["pp2_dp2_zb1p_two_stages_a_rank_m4"]
     assert all(r["tied_bytes_per_step"] > 0 and len(r["ties"]) == 1 for r in looped)
@@ -179,7 +182,7 @@ def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
     if it holds a tied gradient; pp = 1 reduces in the backward."""
     buckets = list(range(r["n_buckets"]))
-    if job_.schedule in ("zbv", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
+    if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
         return {"flush": buckets}  # several stages a rank: no one backward graph holds all of its gradients
     placement = job_.options.get("placement", "auto")
     if placement == "auto":

@@ -11,6 +11,9 @@
                       rank, looped (rank r holds r, r + pp, ...)
     "zbv"             ScheduleZBVZeroBubble: two stages a rank in a V (rank r holds r and 2 pp - 1 - r: the
                       first and the last on rank 0, a tie between them one Parameter), B and W as zb1p's
+    "dualpipev"       ScheduleDualPipeV (DeepSeek's DualPipe, as a V): zbv's placement; a forward of one
+                      micro-batch beside a whole backward of another in its middle phase, each run in turn
+                      (overlapping their compute and communication is left to the device: one stream here)
 
 The stage tells the gradient sync which backward is the step's last and notes what it sends on the device
 (gradsched.sync.nonfinite).
@@ -24,9 +27,10 @@ import torch.nn as nn
 
 from gradsched.sync import nonfinite
 
-SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv")
-SPLIT_BACKWARD = ("zb1p", "zbv")  # schedules that run each backward as B and W (gradsched.sync.runtime)
-MULTI_STAGE = ("zb1p", "interleaved_1f1b", "zbv")  # schedules that take several stages a rank
+SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv", "dualpipev")
+SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # schedules that run each backward as B and W (gradsched.sync.runtime)
+MULTI_STAGE = ("zb1p", "interleaved_1f1b", "zbv", "dualpipev")  # schedules that take several stages a rank
+V_SHAPED = ("zbv", "dualpipev")  # two stages a rank in a V: rank r holds stages r and 2 pp - 1 - r
 
 
 _OFF = contextlib.nullcontext()
@@ -58,8 +62,9 @@ def pipeline_schedule(name: str, stages: list, num_stages: int, plan, sync, m: i
     index, the compiled stage, the module it compiles) for each, `num_stages` the pipeline's, `sync` the rank's
     GradSync, `m` micro-batches."""
     timeline = timeline or Timeline()
-    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                              ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
+    from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
+                                              ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
+                                              ScheduleZBVZeroBubble)
     split = name in SPLIT_BACKWARD
 
     class Stage(PipelineStage):
@@ -106,7 +111,7 @@ def pipeline_schedule(name: str, stages: list, num_stages: int, plan, sync, m: i
         return _indexed(Schedule1F1B if name == "1f1b" else ScheduleGPipe)(built[0], n_microbatches=m,
                                                                             loss_fn=loss_fn, scale_grads=False)
     cls = {"zb1p": ScheduleInterleavedZeroBubble, "interleaved_1f1b": ScheduleInterleaved1F1B,
-           "zbv": ScheduleZBVZeroBubble}[name]
+           "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}[name]
     return _indexed(cls)(built, n_microbatches=m, loss_fn=loss_fn, scale_grads=False)
 
 
@@ -160,6 +165,9 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
     if schedule == "zbv" and m < 2 * pp - 1:
         raise ValueError(f"the zbv schedule needs at least 2 pp - 1 = {2 * pp - 1} micro-batches to fill its V "
                          f"(got {m}): use {2 * pp - 1} or more, or another schedule.")
+    if schedule == "dualpipev" and m < 2 * pp:
+        raise ValueError(f"the dualpipev schedule needs at least as many micro-batches as stages, 2 pp = {2 * pp} "
+                         f"(got {m}): use {2 * pp} or more, or another schedule.")
     if schedule in ("zb1p", "interleaved_1f1b"):
         rounds = max(1, m // pp)  # torch's ZB-H1 and interleaved 1F1B run micro-batches in rounds of at least pp
         if m % rounds:
@@ -172,9 +180,9 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
 def stage_placement(schedule: str, stages_per_rank: int | None) -> tuple[int, str]:
     """(stages a rank, their placement: "loop" or "v"; gradsched.training.virtual_stages) for a resolved
     schedule, or ValueError saying what to change."""
-    if schedule == "zbv":
+    if schedule in V_SHAPED:
         if stages_per_rank not in (None, 2):
-            raise ValueError(f"the zbv schedule holds two stages a rank (a V), not stages_per_rank={stages_per_rank}: "
+            raise ValueError(f"the {schedule} schedule holds two stages a rank (a V), not stages_per_rank={stages_per_rank}: "
                              "leave stages_per_rank out, or use interleaved_1f1b or zb1p for another number.")
         return 2, "v"
     v = stages_per_rank if stages_per_rank is not None else (2 if schedule == "interleaved_1f1b" else 1)

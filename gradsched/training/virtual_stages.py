@@ -3,7 +3,7 @@ as one module under the model's own names.
 
 The model is split into pp x v stages (v = stages_per_rank); the pipeline group's rank r holds
     "loop" (interleaved 1F1B, v >= 2)   stages r, r + pp, ..., r + (v - 1) pp
-    "v"    (zbv, v = 2)                 stages r and 2 pp - 1 - r: the first and the last stage (a GPT's
+    "v"    (zbv, dualpipev, v = 2)      stages r and 2 pp - 1 - r: the first and the last stage (a GPT's
                                          embedding and its LM head) on rank 0
 as torch.distributed.pipelining's schedules place them. A tie whose copies sit on one rank becomes one
 Parameter there (`merge_local_ties`): autograd sums its stages' gradients into one .grad, with no collective;
@@ -97,7 +97,7 @@ def refuse_with_several_stages(options, plan) -> None:
            # no one backward graph holds a rank's gradients: its buckets are reduced in the flush
            else "placement='backward'" if options.placement == "backward" else None)
     if why is not None:
-        raise ValueError(f"several pipeline stages a rank (interleaved_1f1b, zbv, zb1p with stages_per_rank > 1) do "
+        raise ValueError(f"several pipeline stages a rank (interleaved_1f1b, zbv, dualpipev, zb1p with stages_per_rank > 1) do "
                          f"not run with {why} yet: use shard=True or False, cp=1 and "
                          "placement 'auto', 'split' or 'flush' (every bucket is reduced in the flush), or one stage a "
                          "rank (1f1b, gpipe, zb1p).")
