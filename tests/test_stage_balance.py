@@ -76,3 +76,29 @@ def test_the_measured_split_moves_blocks_off_the_heavy_head_and_leaves_the_model
     pipe = pipeline(model, mb_args=(x,), split_spec={"blocks.2": SplitPoint.BEGINNING})
     assert torch.equal(pipe.get_stage_module(1)(pipe.get_stage_module(0)(x)), before)
     assert torch.equal(model(x), before)
+
+
+def test_past_the_exhaustive_limit_the_v_still_balances_its_ranks(monkeypatch):
+    import gradsched.training.stage_balance as sb
+    costs, ranks = [3.0] + [1.0] * 7, stage_ranks(2, 2, "v")
+    exhaustive = choose_stages(costs, ranks)
+    monkeypatch.setattr(sb, "EXHAUSTIVE", 0)  # the fallback: least largest stage, then one boundary at a time
+    fallback = choose_stages(costs, ranks)
+
+    def busiest(cut):
+        b = [0, *cut, len(costs)]
+        stage = [sum(costs[i:j]) for i, j in zip(b, b[1:])]
+        return max(stage[0] + stage[3], stage[1] + stage[2])
+    # the least largest stage alone ([1, 2, 5]) loads rank 0 with 6 of 10
+    assert busiest(sb._least_largest_stage([sum(costs[:i]) for i in range(9)], 4)) == 6.0
+    assert busiest(fallback) == busiest(exhaustive) == 5.0
+
+
+def test_candidates_out_of_the_models_order_or_unknown_are_refused_before_anything_runs():
+    import pytest
+    model = Wide()
+    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 2048, (1, 8))
+    with pytest.raises(ValueError, match="not in the model's order"):
+        balanced_split_points(model, (x,), y, _loss, ["blocks.2", "blocks.1"], pp=2)
+    with pytest.raises(ValueError, match=r"\['blocks.9'\] name no submodule"):
+        balanced_split_points(model, (x,), y, _loss, ["blocks.1", "blocks.9"], pp=2)

@@ -52,7 +52,7 @@ class StepFlags:
         self.loss_row: torch.Tensor | None = None  # [3] float64: this rank's COUNT, SHARE and SCALE, if it has a loss
         self.loss: torch.Tensor | None = None  # the step's loss, from every rank's row (ParallelModel.train_step)
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
-        self.own_grads: torch.Tensor | None = None  # finish_step: this rank's reduced gradients' marker, every rank's
+        self.own_grads: torch.Tensor | None = None  # issued early: this rank's reduced gradients' marker, every rank's
         self.step = 0
         self._paused = 0
 
@@ -119,15 +119,15 @@ def reduced_gradients_marker(sync, device) -> torch.Tensor:
     grads = sync.reduced()  # shards, or whole buckets (shard=False): a few tensors, not one a parameter
     if len(grads) != len(plan.layout.buckets):
         grads = [p.grad for p in sync.params.values() if p.grad is not None]
-    return marker_of(grads) if grads else torch.zeros((), dtype=torch.float64, device=device)
+    return marker_of(grads, device)
 
 
-def marker_of(grads: list) -> torch.Tensor:
-    """A float64 scalar, finite exactly when every element of `grads` (not all empty) is: one pass a tensor
-    (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5)."""
+def marker_of(grads: list, device) -> torch.Tensor:
+    """A float64 scalar on `device`, finite exactly when every element of `grads` is (0 for none): one pass a
+    tensor (an inf-norm took 13 ms for 4M floats on a CPU core, aminmax 0.5)."""
     values = [v for g in grads if g.numel() for v in _finite_iff_elements_are(g)]
     if not values:
-        return grads[0].new_zeros((), dtype=torch.float64)
+        return torch.zeros((), dtype=torch.float64, device=device)
     return values[0] if len(values) == 1 else (torch.stack(values) * 0).sum()
 
 
@@ -177,8 +177,8 @@ def issue_step(sync, what: str, device) -> Issued:
     """`agree_step`'s gather with no prefix, issued now, asynchronously, when this rank's row is final but for
     its reduced gradients' flag and `reduced_alike` holds (pp 1, shard=False: after the last forward): its
     round trip then hides behind the last backward (on a first step, before any backward graph was compiled).
-    `finish_step` waits for it and adds the flag."""
-    row = local_row(sync, torch.zeros((), dtype=torch.float64, device=device), device)  # its own flag: finish_step
+    GlobalLoss.end waits for it (`wait_issued`) and adds the flag."""
+    row = local_row(sync, torch.zeros((), dtype=torch.float64, device=device), device)  # its own flag: later
     out, work = _gather(sync, row, f"{what}: issued before the last backward", async_op=True)
     return Issued(out, work, what)
 
@@ -193,13 +193,12 @@ def wait_issued(sync, issued: Issued) -> torch.Tensor:
 
 
 def finish_step(sync, rows: torch.Tensor) -> None:
-    """After `wait_issued`: every rank's reduced-gradient flag is this rank's own (`reduced_alike`), kept beside
-    the rows (`check` adds it; onto every row only to describe a bad step). Where it read local gradients, not
-    reduced ones, they may differ: the ranks agree on them. (gradsched.training.step_end makes the flag in
-    its one graph otherwise.)"""
+    """After `wait_issued`, where this step's reduced buckets are not all there (a rank's gradients read where
+    they lie, not reduced ones: they may differ between ranks): the ranks agree on a flag of them, kept beside the
+    rows (`check` adds it). With every bucket reduced, GlobalLoss.end makes the rank's own flag instead
+    (global_loss.end_arithmetic): every rank's is alike (`reduced_alike`)."""
     own = reduced_gradients_marker(sync, rows.device)
-    if len(sync.reduced()) != len(sync.sync_plan.layout.buckets):
-        own = _gathered(sync, (own * 0).reshape(1), "the step's reduced-gradient flags").sum()
+    own = _gathered(sync, (own * 0).reshape(1), "the step's reduced-gradient flags").sum()
     sync.nonfinite.agreed, sync.nonfinite.own_grads = rows, own
 
 

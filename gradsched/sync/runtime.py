@@ -303,9 +303,8 @@ class GradSync:
             return self.gradients()
         if self.built.plan.shard:
             return buckets
-        held = {b.untyped_storage().data_ptr() for b in buckets}
         grads = self.gradients()
-        return buckets if all(g.untyped_storage().data_ptr() in held for g in grads) else grads
+        return buckets if all(any(_inside(g, b) for b in buckets) for g in grads) else grads
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding this step's reduced gradients, each element once: the reduced shards (shard=True or
@@ -379,3 +378,11 @@ def _own(outputs, inputs) -> list:
 
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _inside(g: torch.Tensor, bucket: torch.Tensor) -> bool:
+    """Every element of `g` lies in `bucket`'s memory, of the same dtype: scaling the bucket scales `g`."""
+    if g.dtype != bucket.dtype or g.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr():
+        return False
+    start, end = bucket.data_ptr(), bucket.data_ptr() + bucket.numel() * bucket.element_size()
+    return g.is_contiguous() and start <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= end

@@ -99,8 +99,9 @@ class GlobalLoss:
             nonfinite.agree_step(sync, torch.zeros(0, dtype=torch.float64, device=device), what=WHAT)
             rows = flags.agreed
         scale = w.scale() if w is not None else None
-        loss, factor, next_scale, own = end_arithmetic(rows, sync.reduced_storage(), scale, self.average, mark,
-                                                       rescale=not self._exact())
+        rescale = self.average and not self._exact()
+        grads = sync.reduced_storage() if mark or rescale else []
+        loss, factor, next_scale, own = end_arithmetic(rows, grads, scale, self.average, mark, rescale)
         if mark:
             flags.agreed, flags.own_grads = rows, own
         flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
@@ -135,7 +136,7 @@ def end_arithmetic(rows: torch.Tensor, grads: list, scale, average: bool, mark: 
     left is the ~10 ops' dispatch, and each model would pay a compile.)"""
     counts = rows[:, nonfinite.COUNT]
     loss, factor = loss_weights.step_result(counts, rows[:, nonfinite.SHARE], rows[:, nonfinite.SCALE], average)
-    marker = nonfinite.marker_of(grads) if mark else None
+    marker = nonfinite.marker_of(grads, rows.device) if mark else None
     next_scale = None
     if factor is not None and rescale:
         by_dtype: dict = {}
