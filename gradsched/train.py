@@ -137,6 +137,10 @@ def parse(argv=None):
                          "than stages; zb1p: zero bubble, the backward split into B and W; interleaved_1f1b: two "
                          "stages a rank, looped; zbv: two stages a rank in a V, the first and last on rank 0; dualpipev: "
                          "DualPipe in the same V)")
+    ap.add_argument("--split", default="even", choices=("even", "balanced"),
+                    help="where pipeline stages begin (--pp > 1): even, the same number of decoder layers a stage; "
+                         "balanced, where each rank's stages take the same time, timed on this device before the "
+                         "first step (gradsched.balanced_split_points: the head and the embedding count)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
@@ -283,7 +287,8 @@ def train(args) -> int:
     check_alone(args, int(os.environ["WORLD_SIZE"]))
     resume_from = checkpoint_dir(args.resume) if args.resume else None
     model, layers = build_model(args.model, args.seed)
-    stages, _ = stage_placement(resolve_schedule(args.schedule, args.pp, args.microbatches), None)
+    schedule = resolve_schedule(args.schedule, args.pp, args.microbatches)
+    stages, _ = stage_placement(schedule, None)
     points = split_points(model, layers, args.pp * stages)  # zbv, interleaved_1f1b: two stages a rank
     vocab = model.model.config.vocab_size
     data = (TokenFile(args.data, args.ids, args.seq, vocab, args.batch) if args.data
@@ -295,6 +300,12 @@ def train(args) -> int:
     # from_world has set this process's GPU from LOCAL_RANK under NCCL
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
+    if args.split == "balanced" and points:  # every rank times the pieces; all take rank 0's choice
+        x, y = (t.to(device) for t in data.batch(0, args.batch))
+        mb = max(1, args.batch // plan.dp // args.microbatches)
+        stack = points[0].rsplit(".", 1)[0]
+        points = list(gradsched.balanced_split_points(model, (x[:mb],), y[:mb], next_token_loss,
+                                                      [f"{stack}.{i}" for i in range(1, layers)], args.pp, schedule))
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
                                   split_points=points,
                                   microbatches=args.microbatches, schedule=args.schedule, compiler=args.compiler,
@@ -311,6 +322,7 @@ def train(args) -> int:
     if reporter:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
               f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "
+              f"{f'stages begin at {points}, ' if plan.pp > 1 else ''}"
               f"steps {start + 1}..{args.steps}", flush=True)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
