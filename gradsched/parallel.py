@@ -25,7 +25,7 @@ import torch.nn as nn
 from gradsched.backend import gradsched_backend
 from gradsched.cp.layout import check_takes_seq_idx, model_inputs
 from gradsched.options import SyncOptions
-from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs,
+from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, check_stage_count,
                                                checkpoint_stage_modules, checkpointed_calls, hf_checkpointed_layers,
                                                pass_through_skips, release_other_stages, warn_checkpointing_dropped)
 from gradsched.plan import ParallelPlan
@@ -139,6 +139,7 @@ class ParallelModel:
                     "instead), or a weight shared with a module the split moves to another stage; try other "
                     "split points.")
             raise err from e
+        check_stage_count(pipe, self.split_points, type(self.model).__name__)
         check_first_stage_inputs(pipe, type(self.model).__name__)
         pass_through_skips(pipe)  # e.g. a decoder's rotary embeddings, read by every stage from the first
         check_adjacent_stages(pipe, type(self.model).__name__)

@@ -62,3 +62,16 @@ def test_values_read_from_several_stages_back_are_passed_on_through_every_stage_
         assert pass_through_skips(pipe) == 3  # e through stages 1 and 2, h1 through stage 2
         check_adjacent_stages(pipe, "Skips")
         assert torch.equal(pipe(x)[0], model(x))
+
+
+@pytest.mark.parametrize("points", [["tok"], ["b", "tok"]], ids=["the_first_module", "with_a_later_one"])
+def test_a_split_point_that_begins_no_stage_is_refused_naming_the_split_points(points):
+    # the model's first module leaves stage 0 empty: pipelining made fewer stages, and its own error (a missing
+    # submodule, an invalid stage index) named none
+    tokens, positions = torch.randint(0, 16, (2, 4)), torch.arange(4).expand(2, 4)
+    model = TwoInputs(positions_first=False)
+    pipe = pipeline(model, mb_args=(tokens, positions), split_spec={p: SplitPoint.BEGINNING for p in points})
+    from gradsched.training.pipeline_split import check_stage_count
+    with pytest.raises(StageError, match=r"at \[.*'tok'.*\] made \d stages, not %d" % (len(points) + 1)):
+        check_stage_count(pipe, points, "TwoInputs")
+    check_stage_count(split(TwoInputs(positions_first=False)), ["b"], "TwoInputs")  # one stage a point: accepted

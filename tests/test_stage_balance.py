@@ -102,3 +102,13 @@ def test_candidates_out_of_the_models_order_or_unknown_are_refused_before_anythi
         balanced_split_points(model, (x,), y, _loss, ["blocks.2", "blocks.1"], pp=2)
     with pytest.raises(ValueError, match=r"\['blocks.9'\] name no submodule"):
         balanced_split_points(model, (x,), y, _loss, ["blocks.1", "blocks.9"], pp=2)
+
+
+def test_an_unknown_schedule_or_a_string_of_candidates_is_refused():
+    import pytest
+    model = Wide()
+    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 2048, (1, 8))
+    with pytest.raises(ValueError, match=r"schedule='ZBV', not one of"):
+        balanced_split_points(model, (x,), y, _loss, ["blocks.1"], pp=2, schedule="ZBV")
+    with pytest.raises(ValueError, match="a list of module names"):
+        balanced_split_points(model, (x,), y, _loss, "blocks.1", pp=2)

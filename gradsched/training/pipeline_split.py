@@ -21,6 +21,18 @@ import torch.nn as nn
 from gradsched.user_errors import StageError
 
 
+def check_stage_count(pipe, split_points, model_name: str) -> None:
+    """Each split point begins a stage of its own; one that begins none is refused before anything runs
+    (pipelining's own errors name no split point: a missing submodule, an invalid stage index)."""
+    want = len(split_points) + 1
+    if pipe.num_stages != want:
+        raise StageError(
+            f"splitting {model_name} at {list(split_points)} made {pipe.num_stages} stages, not {want}: a split "
+            "point begins no stage of its own when it is the model's first module (stage 0 would hold nothing), a "
+            "container whose own forward is never called (a ModuleList: name its items, e.g. 'blocks.1'), or a "
+            "module the forward does not run. Name modules the forward calls, after the first.")
+
+
 def check_first_stage_inputs(pipe, model_name: str) -> None:
     """The split orders the first stage's inputs by first use in forward, and the schedule hands
     them over in the model's call order: if they differ, every input would land in another's place

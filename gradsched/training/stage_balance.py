@@ -25,8 +25,8 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from gradsched.training.pipeline_split import pass_through_skips
-from gradsched.training.pipeline_schedule import stage_placement
+from gradsched.training.pipeline_split import check_stage_count, pass_through_skips
+from gradsched.training.pipeline_schedule import SCHEDULES, stage_placement
 from gradsched.training.virtual_stages import stage_ranks
 
 EXHAUSTIVE = 200_000  # cuts tried one by one up to this many; past it, the largest stage is minimised (exactly)
@@ -38,6 +38,11 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
     e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
     micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
     process group is up), with real weights: it runs the model."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"balanced_split_points: schedule={schedule!r}, not one of {SCHEDULES}.")
+    if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
+        raise ValueError(f"balanced_split_points: candidates={candidates!r}: a list of module names, e.g. "
+                         "['blocks.1', 'blocks.2'].")
     v, style = stage_placement(schedule, stages_per_rank)
     ranks = stage_ranks(pp, v, style)
     if len(candidates) < len(ranks) - 1:
@@ -153,6 +158,7 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
             for k in ("forward", "_orig_forward"):
                 m.__dict__.pop(k, None)
             m.__dict__.update(attrs)
+    check_stage_count(pipe, candidates, type(model).__name__)
     pass_through_skips(pipe)  # each piece then takes the previous piece's outputs only
     pieces = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
     params = {id(p): p for m in (model, *pieces) for p in m.parameters()}.values()
