@@ -58,8 +58,8 @@ CASES = {
     "pp1_dp4_backward_m2_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64",
                                                          microbatches=2),
     # context parallelism
-    # the ring's backward as B and W, in a V (two stages a rank)
-    "pp2_cp2_zbv_m4": job(2, 1, 2, schedule="zbv", layers=4, microbatches=4),
+    # the ring's backward as B and W, in a V (two stages a rank) under DualPipeV
+    "pp2_cp2_dualpipev_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4),
     "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
     "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
@@ -78,7 +78,6 @@ CASES = {
     "pp2_dp2_zbv_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw", steps=3),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
-    "pp2_dp2_dualpipev_padded_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
     # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through
     "pp2_dp2_zbv_hf_llama_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw", labels="padded",
@@ -169,7 +168,7 @@ def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_run
 
 
 def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collective_sums_them(eager_runs):
-    for name in ("pp2_dp2_zbv_adamw_m4", "pp2_dp2_dualpipev_padded_m4"):
+    for name in ("pp2_dp2_zbv_adamw_m4", "pp2_cp2_dualpipev_m4"):
         v = eager_runs[name]
         assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v), name
         assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
