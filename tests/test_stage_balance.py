@@ -112,3 +112,10 @@ def test_an_unknown_schedule_or_a_string_of_candidates_is_refused():
         balanced_split_points(model, (x,), y, _loss, ["blocks.1"], pp=2, schedule="ZBV")
     with pytest.raises(ValueError, match="a list of module names"):
         balanced_split_points(model, (x,), y, _loss, "blocks.1", pp=2)
+
+
+def test_a_nan_or_infinite_piece_cost_is_refused_rather_than_cut_arbitrarily():
+    import pytest
+    for bad in (float("nan"), float("inf"), -1.0):
+        with pytest.raises(ValueError, match="each a finite time >= 0"):
+            choose_stages([1.0, bad, 1.0, 1.0], stage_ranks(2, 1, "loop"))

@@ -93,6 +93,8 @@ def choose_stages(costs: list[float], ranks: list[int]) -> list[int]:
     n, k = len(costs), len(ranks)
     if not 1 <= k <= n:
         raise ValueError(f"{n} pieces cannot make {k} stages.")
+    if not all(math.isfinite(c) and c >= 0 for c in costs):  # NaN compares false: any cut would "win"
+        raise ValueError(f"piece costs {costs}: each a finite time >= 0 (a piece's timing went wrong).")
     prefix = list(itertools.accumulate(costs, initial=0.0))
 
     def key(cut):
