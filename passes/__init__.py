@@ -17,6 +17,8 @@ graph's first collective; `gradsched.sync.runtime` only runs the graphs):
                                                use: the backward computes while reductions
                                                fly (Inductor's raise_comms and sink_waits
                                                keep it in the generated code)
+  3c. defer_waits       (defer_waits.py)       several stages a rank, the early graphs only: their
+                                               reductions returned in flight (on the compiled copy)
   4. verify_graph       (verify.py)            prove the order or the alignment, per tie
   5. insert_agreement   (agreement.py)         on the copy that is compiled (every graph
                                                gradsched compiles, forward graphs too): each

@@ -144,3 +144,17 @@ def place_buckets(layout: BucketLayout, placement: str) -> dict[str, BucketLayou
     else:
         raise ValueError(f"placement={placement!r}: one of 'split', 'backward', 'flush'.")
     return {where: BucketLayout(buckets, layout.shards) for where, buckets in parts.items() if buckets}
+
+
+def place_after(layout: BucketLayout, final_at: dict[str, int], points: int) -> dict[str, BucketLayout]:
+    """Several stage graphs on one rank, each done with the step at its own point of the schedule (0 to
+    points - 1, in the order they finish; `final_at`: gradient name -> the point its last writer finishes):
+    "early{j}" -> the buckets whose every gradient is final at point j, for each j before the last; "flush" ->
+    the rest: the last point's (nothing is left to overlap them with) and every bucket holding a tied gradient
+    (its tie all-reduce is matched with another rank's copy, at the schedule's end)."""
+    parts: dict[str, list] = {}
+    for b in layout.buckets:
+        j = max(final_at[s.name] for s in b.slots)
+        where = "flush" if j >= points - 1 or any(s.tie for s in b.slots) else f"early{j}"
+        parts.setdefault(where, []).append(b)
+    return {where: BucketLayout(tuple(bs), layout.shards) for where, bs in parts.items()}

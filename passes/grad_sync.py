@@ -66,6 +66,9 @@ class SyncSpec:
     shard: bool = True
     average: bool = True
     accumulate: bool = False
+    # one reduce-scatter in flight (each bucket's reads the previous one's shard): False for a graph whose
+    # reductions are waited for outside it (passes/defer_waits.py), which must not wait between buckets
+    chain: bool = True
 
 
 @dataclass
@@ -119,7 +122,7 @@ def insert_grad_sync(gm: fx.GraphModule, spec: SyncSpec) -> tuple[fx.GraphModule
         pos = position()
         anchor = max([local.get(s.name, grads[s.name]) for s in bucket.slots] + [cursor], key=pos.__getitem__)
         with gm.graph.inserting_before(anchor.next):  # keeps inserted nodes in creation order
-            previous = results[-1] if spec.shard and results else None
+            previous = results[-1] if spec.shard and spec.chain and results else None
             results.append(_reduce_bucket(b, spec, bucket, grads, acc, local, previous))
         cursor = results[-1]
 

@@ -81,3 +81,14 @@ def test_placement_backward_or_flush_puts_every_bucket_in_one_graph_and_an_untie
     layout = plan_buckets(specs(6, 10), bucket_mb=8 * 4 / 2**20, shards=2)
     assert list(place_buckets(layout, "flush")) == ["flush"] and list(place_buckets(layout, "backward")) == ["backward"]
     assert list(place_buckets(layout, "split")) == ["backward"]
+
+
+def test_after_several_stage_graphs_a_bucket_reduces_early_only_once_all_its_gradients_are_final():
+    from gradsched.passes.bucketing import place_after
+    layout = plan_buckets(specs(100, 100, 100, 100), bucket_mb=100 * 4 / 2**20, shards=1, tail_mb=100 * 4 / 2**20)
+    # p0, p1 final at the first stage graph's end, p2 at the second's, p3 (a tie within the rank) at the last's
+    got = place_after(layout, {"p0": 0, "p1": 0, "p2": 1, "p3": 2}, points=3)
+    assert {w: [b.index for b in lay.buckets] for w, lay in got.items()} == {"early0": [0, 1], "early1": [2],
+                                                                            "flush": [3]}
+    tied = plan_buckets(specs(100, 100), bucket_mb=1.0, shards=1, ties={"p0": "t"})
+    assert list(place_after(tied, {"p0": 0, "p1": 0}, points=2)) == ["flush"]  # its all-reduce meets another rank's

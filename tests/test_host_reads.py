@@ -24,7 +24,7 @@ def test_the_recorder_names_each_read_with_its_stack_and_leaves_expected_ones_ou
 # the option matrix's Inductor rows that record steps 3 to 5 (4 micro-batches; tests/conftest.py runs them once)
 RECORDED = {"pp2_dp2_shard_true": "inductor_pp2_dp2_zb1p_padded_m4_clip_param_groups",
             "pp2_cp2_shard_params": "inductor_pp2_cp2_params_small_buckets_m4",
-            "pp2_dp2_zbv_all_reduce": "inductor_pp2_dp2_zbv_all_reduce_m4"}  # two stages a rank, in a V
+            "pp2_dp2_zbv_early_reductions": "inductor_pp2_dp2_zbv_small_buckets_m4"}  # two stages a rank, in a V
 
 
 @pytest.mark.parametrize("name", list(RECORDED))

@@ -13,10 +13,12 @@ The eager cases run in one set of processes (start-up dominates); a representati
 slice runs again under Inductor, the default compiler. docs/parallelism.md lists the cases
 (tests/test_docs.py holds its table to these).
 """
+import re
+
 import pytest
 
 from gradsched.launch import run_ranks
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD
+from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, V_SHAPED as V
 from tied_training import Job, abs_diff, compare, gradient_error, rank_jobs, reference
 from tiny_gpt import GPTConfig
 
@@ -59,7 +61,7 @@ CASES = {
                                                          microbatches=2),
     # context parallelism
     # the ring's backward as B and W, in a V (two stages a rank) under DualPipeV
-    "pp2_cp2_dualpipev_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4),
+    "pp2_cp2_dualpipev_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4, bucket_mb=0.004),
     "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
     "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
     "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
@@ -75,7 +77,8 @@ CASES = {
     # four stages: the tie spans the first and the last, the middle two hold no copy (they failed to start before)
     "pp4_zb1p_m4": job(4, 1, schedule="zb1p", layers=4, microbatches=4),
     # two stages a rank: in a V (the tie's copies on rank 0, one Parameter), looped (the tie across the ranks)
-    "pp2_dp2_zbv_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw", steps=3),
+    "pp2_dp2_zbv_adamw_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
+                                              steps=3, bucket_mb=0.004),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
@@ -95,8 +98,10 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                              clip=CLIP, steps=5, host_reads=STEADY,
                                                              inject_host_read=True, compiler="inductor"),
     "inductor_pp1_dp4_padded_m2": job(1, 4, vocab=97, microbatches=2, bucket_mb=0.004, compiler="inductor"),
-    "inductor_pp2_dp2_zbv_all_reduce_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, shard=False,
-                                              steps=5, host_reads=STEADY, compiler="inductor"),
+    # a V with its early reductions returned in flight from Inductor's code (shard=False under Inductor:
+    # tests/test_entry_points.py)
+    "inductor_pp2_dp2_zbv_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, bucket_mb=0.004,
+                                                 steps=5, host_reads=STEADY, compiler="inductor"),
     # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code
     "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
                                                     steps=5, host_reads=STEADY, capture_code=True,
@@ -168,7 +173,7 @@ def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_run
 
 
 def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collective_sums_them(eager_runs):
-    for name in ("pp2_dp2_zbv_adamw_m4", "pp2_cp2_dualpipev_m4"):
+    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_m4"):
         v = eager_runs[name]
         assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v), name
         assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
@@ -179,10 +184,19 @@ def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collecti
 
 def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
-    if it holds a tied gradient; pp = 1 reduces in the backward."""
+    if it holds a tied gradient; pp = 1 reduces in the backward. Several stages a rank: the flush, but in a V
+    or looped, with B and W (shard=True), each bucket of the rank's later stage alone reduces early, as that stage
+    ends (two stages a rank here)."""
     buckets = list(range(r["n_buckets"]))
     if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
-        return {"flush": buckets}  # several stages a rank: no one backward graph holds all of its gradients
+        if job_.schedule not in SPLIT_BACKWARD or job_.options.get("shard", True) is not True:
+            return {"flush": buckets}  # no one backward graph holds all of a rank's gradients
+        # the rank's later stage, whose backward comes first: the V's second leg, or the last loop's
+        later = 2 * job_.pp - 1 - r["stage"] if job_.schedule in V else r["stage"] + job_.pp * (
+            job_.options["stages_per_rank"] - 1)
+        early = [b for b in buckets if b not in r["tied_buckets"]
+                 and {stage_of(r["split_points"], n) for n in r["bucket_params"][b]} == {later}]
+        return {k: v for k, v in (("early0", early), ("flush", [b for b in buckets if b not in early])) if v}
     placement = job_.options.get("placement", "auto")
     if placement == "auto":
         placement = "backward" if job_.pp == 1 else "split"
@@ -190,6 +204,29 @@ def expected_placement(job_, r) -> dict:
         return {placement: buckets}
     parts = {"backward": [b for b in buckets if b not in r["tied_buckets"]], "flush": sorted(r["tied_buckets"])}
     return {k: v for k, v in parts.items() if v}
+
+
+def stage_of(split_points: list, name: str) -> int:
+    """The stage of parameter `name` of the tiny GPT or a Hugging Face decoder (the tied embedding is the first
+    stage's; the final norm and the LM head the last's)."""
+    layer = re.search(r"(?:blocks|layers)\.(\d+)\.", name)
+    if layer:
+        return sum(int(p.rsplit(".", 1)[1]) <= int(layer.group(1)) for p in split_points)
+    return len(split_points) if name.startswith(("ln_f", "lm_head", "model.norm")) else 0
+
+
+def test_in_a_v_a_stages_buckets_reduce_while_the_ranks_other_stage_still_computes(eager_runs, inductor_runs):
+    runs = {**eager_runs, **inductor_runs}
+    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_m4", "inductor_pp2_dp2_zbv_small_buckets_m4"):
+        for r in runs[name]:
+            assert "early0" in r["sync_graph_buckets"], (name, r["sync_graph_buckets"])
+            # the first step plans them at its flush, where they run; every later step issues them when one of the
+            # rank's two stages has finished its W and the other has not (its remaining B and W overlap them)
+            assert r["early_log"] == [("early0", 2)] + [("early0", 1)] * (CASES.get(name, INDUCTOR.get(name)).steps - 1)
+    for r in inductor_runs["inductor_pp2_dp2_zbv_small_buckets_m4"]:  # Inductor's code returns them un-waited
+        code = r["sync_code"]["early0"]
+        assert code.count("reduce_scatter_tensor.default(") == len(r["sync_graph_buckets"]["early0"])
+        assert code.count("wait_tensor.default(") == code.count("all_gather_into_tensor.default(")  # the agreement's
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,6 +10,7 @@ import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
+from gradsched.passes.defer_waits import defer_waits
 from gradsched.sync.agreement import settling, with_agreement
 
 
@@ -24,13 +25,18 @@ COMM_OVERLAP = {"reorder_for_compute_comm_overlap": True,
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str, comm_overlap: bool = False,
-                  agree: str | None = None):
+                  agree: str | None = None, defer: bool = False):
     """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager".
     comm_overlap: schedule the graph's collectives early and their waits late (Inductor).
     agree: the graph's name in messages; each run then agrees with the peers on each group's collectives
-    (gradsched.sync.agreement), on a copy: `gm` stays the graph gradsched built."""
+    (gradsched.sync.agreement), on a copy: `gm` stays the graph gradsched built.
+    defer: the graph returns its reductions in flight, their inputs appended (passes/defer_waits.py), on a copy."""
     if agree is not None:
-        return settling(compile_graph(with_agreement(gm, agree), example_inputs, compiler, comm_overlap))
+        return settling(compile_graph(with_agreement(gm, agree), example_inputs, compiler, comm_overlap, defer=defer))
+    if defer:
+        copy = fx.GraphModule(gm, gm.graph.__deepcopy__())
+        copy.meta.update(gm.meta)
+        return compile_graph(defer_waits(copy)[0], example_inputs, compiler, comm_overlap)
     if compiler == "eager":
         from gradsched.user_errors import remember_graph
         remember_graph(gm)  # its errors can then name the user's line

@@ -53,3 +53,11 @@ def sync_of(params) -> "GradSync | None":  # gradsched.sync.runtime's
         raise RuntimeError("gradsched: these parameters are reduced by several compiled models; build one "
                            "DistributedOptimizer per compiled model.")
     return next(iter(found.values()), None)
+
+
+def lies_inside(g: torch.Tensor, bucket: torch.Tensor) -> bool:
+    """Every element of `g` lies in `bucket`'s memory, of the same dtype: scaling the bucket scales `g`."""
+    if g.dtype != bucket.dtype or g.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr():
+        return False
+    start, end = bucket.data_ptr(), bucket.data_ptr() + bucket.numel() * bucket.element_size()
+    return g.is_contiguous() and start <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= end

@@ -42,8 +42,7 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts, local_ties=()) ->
         return "\n".join(out + ["   (sync graph not built yet)"])
     for sg in graphs:
         buckets = ", ".join(str(b.index) for b in sg.layout.buckets)
-        out.append(f"   {'last micro-batch backward graph' if sg.where == 'backward' else 'flush graph'} "
-                   f"(buckets {buckets}):")
+        out.append(f"   {_graph_name(sg.where)} (buckets {buckets}):")
         for i, r in enumerate(collectives(sg.gm)):
             what = ", ".join(r["params"]) if len(r["params"]) <= 4 else f"{len(r['params'])} params"
             if r["elements"] and r["role"] == "tie_all_reduce_shard":
@@ -63,6 +62,13 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts, local_ties=()) ->
             out.append(f"   verifier ({sg.where} graph): " + ("ok" if verdict.ok else "HAZARD"))
             out += [f"     {line}" for line in verdict.proofs + verdict.hazards]
     return "\n".join(out)
+
+
+def _graph_name(where: str) -> str:
+    if where.startswith("early"):
+        return (f"early graph {where[5:]} (issued as the rank's stage graph number {int(where[5:]) + 1} to finish "
+                "runs its last W, waited for at the flush)")
+    return "last micro-batch backward graph" if where == "backward" else "flush graph"
 
 
 def ring_steps(cp: int, local_len: int, causal: bool, load_balance: bool, window, comm: str,

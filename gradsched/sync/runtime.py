@@ -17,8 +17,9 @@ What it runs, per step:
                  weights' gradients, queued for the schedule to run later (`take_w`): W accumulates in
                  .grad, and the last micro-batch's W (which must run after every other) reduces.
   several stages a rank (`canonical` given): every backward of every stage graph accumulates in .grad
-                 (whole, or B then W), and the flush reduces all of the rank's buckets, planned over
-                 every stage graph's gradients once each has compiled (stage_build.build_union).
+                 (whole, or B then W), planned over every stage graph's gradients once each has compiled
+                 (stage_build.build_union); the flush reduces the rank's buckets, but under B and W those
+                 final before its last stage's W, reduced as they become so (gradsched.sync.early_reduce).
 
 Before a graph's first collective it runs that graph's checks (gradsched.sync.preflight). The reduced
 buckets of the step wait in `results` for the optimizer.
@@ -38,8 +39,9 @@ from gradsched.sync.preflight import check_sync_graph
 from gradsched.sync.stage_build import (BuiltStage, SplitFns, StagePart, SyncGraph, build_forward, build_part,
                                        build_stage, build_union)
 from gradsched.sync.stage_setup import StageSetup, process_group
+from gradsched.sync.early_reduce import EarlyReductions
 from gradsched.sync.nonfinite import StepFlags
-from gradsched.sync.owners import attach, mark_sharded
+from gradsched.sync.owners import attach, lies_inside, mark_sharded
 from gradsched.sync.watchdog import JOURNAL
 
 
@@ -52,6 +54,8 @@ class GradSync:
         # rank is one Parameter under its first copy's name); None: one stage graph
         self.canonical = canonical
         self.parts: list[StagePart] = []  # several stages a rank: each stage graph's compiled backward
+        self.early = EarlyReductions()  # several stages a rank, B and W: buckets reduced as their stage finishes
+        self._part_w: dict[int, int] = {}  # several stages a rank: each part's W queued and not yet run
         self._handoff: list = []  # W of the backward just run, until the schedule takes it (take_w)
         self._w_outstanding = 0  # W queued and not yet run this step
         self.w_queued_max = 0  # the most W queued at once (a W ran after a later B when > 1): reports, tests
@@ -145,17 +149,28 @@ class GradSync:
                                f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
                                "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
         part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.split_backward)
+        index = len(self.parts)
         self.parts.append(part)
         attach(self, params.values())
         if self.options.shard:
             mark_sharded(params.values())
 
+        def finish(grads, last: bool):
+            _accumulate(grads, part.grad_names, params)
+            self._part_w[index] -= 1
+            if last:  # this part's gradients are final: early reductions of its point go now
+                if self._part_w[index]:
+                    raise RuntimeError(f"gradsched: a stage's last weight gradients (W) ran with {self._part_w[index]} "
+                                       "of its other W still to run: the schedule must run each stage's W in order.")
+                self.early.finished(self, index)
+
         def backward(args):
             self.backward_calls += 1
             if part.plain_split is not None:
-                rec = part.plain_split.record
+                rec, last = part.plain_split.record, self._ends_step()
+                self._part_w[index] = self._part_w.get(index, 0) + 1
                 return self._defer_w(part.plain_split, list(args), len(rec.input_outputs) + len(rec.weight_outputs),
-                                     lambda grads: _accumulate(grads, part.grad_names, params))
+                                     lambda grads: finish(grads, last))
             return part.plain(list(args))
         backward._boxed_call = True
         return backward
@@ -192,6 +207,8 @@ class GradSync:
         """A step starts: nothing queued from a step that failed part way (its W never ran, and never will)."""
         self._handoff.clear()
         self._w_outstanding = 0
+        self._part_w.clear()
+        self.early.reset()
 
     def take_w(self):
         """The W of the backward just run (the schedule's dw_builder): a callable to run when the schedule
@@ -208,6 +225,7 @@ class GradSync:
         """Forget the W of backwards whose results are not the model's (pipelining's shape inference)."""
         self._w_outstanding -= len(self._handoff)
         self._handoff.clear()
+        self._part_w.clear()  # (shape inference runs before any of the step's own backward)
 
     def _reduced(self, sg: SyncGraph, grads: dict, params: dict) -> None:
         """The last micro-batch's W has run: its reductions are the step's."""
@@ -234,27 +252,27 @@ class GradSync:
         if self.built is None and self.setup.placement == "backward":
             return
         if self.built is None and self.parts:  # several stages a rank: every stage graph has compiled by now
-            self.built = build_union(self.parts, self.setup, self.options)
+            self.built = build_union(self.parts, self.setup, self.options, self.early.order(len(self.parts)))
+            self.early.catch_up(self)
         built = self._require_built()
-        sg = built.graphs.get("flush")
-        if sg is None:
+        if built.order and self.early.done != len(built.order):
+            raise RuntimeError(f"gradsched: {self.early.done} of pipeline rank {self.setup.stage}'s "
+                               f"{len(built.order)} stage graphs finished this step's W: the schedule must run them all.")
+        sg, t0 = built.graphs.get("flush"), time.perf_counter()
+        if sg is None and not built.order:
             return
-        self._check_once(sg)
-        grads = [built.params[n] for n in sg.inputs]
-        t0 = time.perf_counter()
-        with JOURNAL.entry(f"the flush graph of stage {self.setup.stage} (tied all-reduce, then the reduction "
-                           f"of buckets {[b.index for b in sg.layout.buckets]})"):
-            outs = list(sg.fn([_grad_or_zeros(p) for p in grads]))
+        if sg is not None:
+            self._check_once(sg)
+            grads = [built.params[n] for n in sg.inputs]
+            with JOURNAL.entry(f"the flush graph of stage {self.setup.stage} (tied all-reduce, then the reduction "
+                               f"of buckets {[b.index for b in sg.layout.buckets]})"):
+                outs = list(sg.fn([_grad_or_zeros(p) for p in grads]))
+            self.results.update(zip((b.index for b in sg.layout.buckets), outs if built.plan.shard else outs[len(grads):]))
+            for i, p in enumerate(grads):  # shard: the shards are the gradients now (.grad would be stale); else
+                p.grad = None if built.plan.shard else outs[i]  # each .grad is its view of the reduced bucket
+        self.early.wait(self.results)
         self.flush_seconds.append(time.perf_counter() - t0)  # the step's tail after the schedule (benchmarks)
         self.sync_runs += 1
-        shard = built.plan.shard
-        self.results.update(zip((b.index for b in sg.layout.buckets), outs if shard else outs[len(grads):]))
-        if shard:  # the shards are the gradients now; .grad would be stale
-            for p in grads:
-                p.grad = None
-        else:  # all-reduced: each parameter's .grad is its view of the reduced bucket
-            for p, g in zip(grads, outs):
-                p.grad = g
 
     def _check_once(self, sg: SyncGraph) -> None:
         if sg.where not in self.verdicts:
@@ -304,7 +322,7 @@ class GradSync:
         if self.built.plan.shard:
             return buckets
         grads = self.gradients()
-        return buckets if all(any(_inside(g, b) for b in buckets) for g in grads) else grads
+        return buckets if all(any(lies_inside(g, b) for b in buckets) for g in grads) else grads
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding this step's reduced gradients, each element once: the reduced shards (shard=True or
@@ -318,9 +336,9 @@ class GradSync:
         self.results.clear()
 
     def sync_graphs(self) -> list[SyncGraph]:
-        """The built sync graphs, in run order: the backward's, then the flush's."""
+        """The built sync graphs, in run order: the backward's or the early ones, then the flush's."""
         graphs = self._require_built().graphs
-        return [graphs[w] for w in ("backward", "flush") if w in graphs]
+        return [graphs[w] for w in sorted(graphs, key=lambda w: (w == "flush", len(w), w))]
 
     def schedule_report(self) -> str:
         b = self._require_built()
@@ -379,10 +397,3 @@ def _own(outputs, inputs) -> list:
 def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
-
-def _inside(g: torch.Tensor, bucket: torch.Tensor) -> bool:
-    """Every element of `g` lies in `bucket`'s memory, of the same dtype: scaling the bucket scales `g`."""
-    if g.dtype != bucket.dtype or g.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr():
-        return False
-    start, end = bucket.data_ptr(), bucket.data_ptr() + bucket.numel() * bucket.element_size()
-    return g.is_contiguous() and start <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= end

@@ -13,13 +13,15 @@
 
     build_part(bw_gm, ...) and build_union(parts, ...)   several stages a rank: each stage's backward
                                      compiled as it comes (whole, or B and W); once every stage has one, the
-                                     plan over all of the rank's gradients and its flush graph
+                                     plan over all of the rank's gradients, its flush graph and (B and W)
+                                     the early graphs of the buckets final before the last stage's W
 
 Returns a BuiltStage: plain data and compiled callables, which the executor
 (gradsched.sync.runtime.GradSync) runs and nothing else builds.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +30,7 @@ from torch._guards import detect_fake_mode
 
 from gradsched.passes import grad_ready_order
 from gradsched.passes.param_gather import gather_params
-from gradsched.passes.bucketing import BucketLayout
+from gradsched.passes.bucketing import BucketLayout, place_after
 from gradsched.passes.grad_sync import SyncRecord
 from gradsched.passes.split_backward import SplitRecord, SplitSpec, split_backward
 
@@ -52,7 +54,7 @@ class SplitFns:
 @dataclass
 class SyncGraph:
     """One compiled graph reducing some of a stage's buckets."""
-    where: str  # "backward" (the last micro-batch's backward graph) or "flush"
+    where: str  # "backward" (the last micro-batch's backward graph), "flush", or "early{j}" (returns in flight)
     layout: BucketLayout  # the buckets it reduces, with their indices in the stage's layout
     gm: fx.GraphModule  # the graph gradsched built and verifies (Inductor compiles a copy)
     record: SyncRecord  # how to feed it and read its results
@@ -78,6 +80,7 @@ class BuiltStage:
     param_inputs: tuple = ()  # shard="params": the buckets whose shards the backward graphs take, appended
     plain_split: SplitFns | None = None  # under a zero-bubble schedule: the plain backward as B and W
     grad_names: dict | None = None  # backward output position -> parameter name
+    order: tuple = ()  # several stages a rank: the parts in the order they finish a step (early graphs), or ()
 
 
 def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
@@ -138,22 +141,32 @@ def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str]
                      compile_graph(bw_gm, example_inputs, options.compiler, agree=_name(options, what)), None)
 
 
-def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions) -> BuiltStage:
-    """The sync of a rank of several stages: one plan over every stage graph's gradients (each once, in the order
-    the stages' graphs were compiled), all reduced by one flush graph after the schedule (placement 'flush': no
-    one backward graph holds the rank's gradients). Ties across ranks are summed there, first, as at one stage."""
-    params, ready = {}, {}
-    for part in parts:
+def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
+                order: tuple[int, ...] = ()) -> BuiltStage:
+    """The sync of a rank of several stages: one plan over every stage graph's gradients (each once), reduced
+    after the schedule by one flush graph (placement 'flush': no one backward graph holds the rank's gradients).
+    Ties across ranks are summed there, first, as at one stage.
+
+    `order`: the parts in the order their last W finished on the first step (B and W, shard=True), or empty.
+    Given, the gradients are laid out in that order and each bucket whose every gradient is final before the
+    last part finishes goes to that point's early graph ("early{j}", passes/bucketing.place_after), run there
+    and waited for at the flush (gradsched.sync.early_reduce)."""
+    params, ready, final_at = {}, {}, {}
+    for j, part in enumerate([parts[i] for i in order] if order else parts):
         params.update(part.params)
         for r in part.ready:
             ready.setdefault(r.name, r)
+            final_at[r.name] = j  # a gradient two parts write (a tie on the rank) is final after the later
     ready = list(ready.values())
     check_backward_graph(setup, ready, None)
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement="flush",
                      grad_group=setup.grad_group, tie_groups=setup.tie_groups,
                      ties={n: t.key for n, t in setup.ties.items()},
                      param_dtypes={n: p.dtype for n, p in params.items()})
-    return BuiltStage(plan, params, None, {"flush": _flush_graph(plan, params, options)})
+    if len(order) > 1 and plan.shard:  # all-reduced buckets (shard=False) hand out views: read only once waited
+        plan = dataclasses.replace(plan, graphs=place_after(plan.layout, final_at, len(order)))
+    return BuiltStage(plan, params, None, {w: _flush_graph(plan, params, options, w) for w in plan.graphs},
+                      order=tuple(order))
 
 
 def _split(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: SyncOptions, what: str,
@@ -249,14 +262,18 @@ def _backward_graph(bw_gm, example_inputs, plan: SyncPlan, params, options: Sync
 
 
 
-def _flush_graph(plan: SyncPlan, params, options: SyncOptions) -> SyncGraph:
-    ready = plan.flush_inputs()
+def _flush_graph(plan: SyncPlan, params, options: SyncOptions, where: str = "flush") -> SyncGraph:
+    """The flush graph, or an early graph (compiled to return its reductions in flight)."""
+    ready = plan.inputs(where)
     device = params[ready[0].name].device  # the gradients live where their parameters do
-    gm, record = flush_sync_graph(plan, device)
+    gm, record = flush_sync_graph(plan, device, where)
     examples = [torch.zeros(r.shape, dtype=r.dtype, device=device) for r in ready]
-    fn = CompiledOnFirstCall(lambda: compile_graph(gm, examples, options.compiler,
-                                                   agree=_name(options, f"the flush graph of stage {plan.stage}")))
-    return SyncGraph("flush", plan.graphs["flush"], gm, record, fn, tuple(r.name for r in ready))
+    early = where != "flush"
+    what = (f"the early reduction graph {where[5:]} of pipeline rank {plan.stage}" if early
+            else f"the flush graph of stage {plan.stage}")
+    fn = CompiledOnFirstCall(lambda: compile_graph(gm, examples, options.compiler, agree=_name(options, what),
+                                                   defer=early))
+    return SyncGraph(where, plan.graphs[where], gm, record, fn, tuple(r.name for r in ready))
 
 
 class CompiledOnFirstCall:

@@ -7,7 +7,8 @@ Given the stage's SyncPlan (buckets and placement, from `plan_sync`):
                         as extra inputs), then sink_waits
   flush_sync_graph      a graph of the flush's gradients alone, run after the schedule has
                         drained: insert_grad_sync, its outputs cut to the reduced shards
-                        (shard=True), then sink_waits
+                        (shard=True), then sink_waits; the same for an early graph of a rank of
+                        several stages (its waits deferred when compiled: passes/defer_waits.py)
 
 Each returns the graph and the pass's SyncRecord, which says how to feed and read it. The
 verifier runs later, before the graph's first collective, when the other ranks' layouts are
@@ -39,25 +40,25 @@ def backward_sync_graph(bw_gm: fx.GraphModule, plan: SyncPlan, accumulate: bool)
     return gm, record
 
 
-def flush_sync_graph(plan: SyncPlan, device: torch.device) -> tuple[fx.GraphModule, SyncRecord]:
-    """Inputs: the flush's gradients, in `plan.flush_inputs()` order, on `device` (the
-    parameters')."""
+def flush_sync_graph(plan: SyncPlan, device: torch.device, where: str = "flush") -> tuple[fx.GraphModule, SyncRecord]:
+    """Inputs: the gradients graph `where` reduces (the flush, or an early graph of a rank of several stages),
+    in `plan.inputs(where)` order, on `device` (the parameters')."""
     g, fake = fx.Graph(), FakeTensorMode()
     phs = []
-    for i, r in enumerate(plan.flush_inputs()):
+    for i, r in enumerate(plan.inputs(where)):
         ph = g.placeholder(f"grad_{i}")
         with fake:  # a fake tensor may sit on a device this machine lacks (CUDA in CPU tests)
             ph.meta["val"] = torch.empty(r.shape, dtype=r.dtype, device=device)
         phs.append(ph)
     g.output(tuple(phs))
     gm = fx.GraphModule(torch.nn.Module(), g)
-    _, record = insert_grad_sync(gm, plan.spec("flush", {r.name: i for i, r in enumerate(plan.flush_inputs())}, False))
+    _, record = insert_grad_sync(gm, plan.spec(where, {r.name: i for i, r in enumerate(plan.inputs(where))}, False))
     if plan.shard:  # the gradient outputs are None: return the shards only
         out = gm.graph.output_node()
         out.args = (tuple(out.args[0][record.n_outputs:]),)
         gm.recompile()
     sink_waits(gm)
-    print_graph(gm, f"stage {plan.stage} flush graph, after insert_grad_sync and sink_waits")
+    print_graph(gm, f"stage {plan.stage} {where} graph, after insert_grad_sync and sink_waits")
     return gm, record
 
 

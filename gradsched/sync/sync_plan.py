@@ -35,7 +35,7 @@ class SyncPlan:
     rank: int
     ready: tuple[GradSpec, ...]  # gradients in the order the backward produces them
     layout: BucketLayout  # every bucket of the stage
-    graphs: dict  # "backward" | "flush" -> the sub-layout that graph reduces
+    graphs: dict  # "backward" | "flush" | "early{j}" (several stages a rank) -> the sub-layout that graph reduces
     grad_group: Group
     tie_groups: dict  # tie key -> Group
     ties: dict  # parameter name -> tie key (this stage's tied copies)
@@ -47,18 +47,21 @@ class SyncPlan:
     params_sharded: bool = False  # shard="params": the parameters live as shards of their buckets
 
     def spec(self, where: str, grad_outputs: dict[str, int], accumulate: bool) -> SyncSpec:
-        """The grad-sync pass's input for graph `where`."""
+        """The grad-sync pass's input for graph `where` (an early graph's reductions are waited for outside it,
+        so none waits for the one before)."""
         return SyncSpec(layout=self.graphs[where], grad_outputs=grad_outputs, group=self.grad_group.name,
                         group_size=len(self.grad_group.ranks), shard_rank=self.grad_group.index,
                         tie_groups={k: g.name for k, g in self.tie_groups.items()}, mode=self.mode,
-                        shard=self.shard, average=self.average, accumulate=accumulate)
+                        shard=self.shard, average=self.average, accumulate=accumulate,
+                        chain=not where.startswith("early"))
 
     def names(self, where: str) -> set[str]:
         return {s.name for b in self.graphs[where].buckets for s in b.slots}
 
-    def flush_inputs(self) -> list[GradSpec]:
-        """The flush graph's inputs: the gradients it reduces, in ready order."""
-        names = self.names("flush")
+    def inputs(self, where: str = "flush") -> list[GradSpec]:
+        """A graph's inputs, where it takes the gradients (the flush, an early graph): those it reduces, in
+        ready order."""
+        names = self.names(where)
         return [r for r in self.ready if r.name in names]
 
     def to_json(self) -> dict:
