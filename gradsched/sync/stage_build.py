@@ -40,7 +40,7 @@ from gradsched.sync.param_shards import ParamShards, shard_parameters
 from gradsched.sync.preflight import check_backward_graph
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_graphs import backward_sync_graph, flush_sync_graph
-from gradsched.sync.sync_plan import SyncPlan, plan_sync
+from gradsched.sync.sync_plan import SyncPlan, plan_layout, plan_sync
 
 
 @dataclass
@@ -159,14 +159,24 @@ def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
             final_at[r.name] = j  # a gradient two parts write (a tie on the rank) is final after the later
     ready = list(ready.values())
     check_backward_graph(setup, ready, None)
+    ties = {n: t.key for n, t in setup.ties.items()}
+    layout = None
+    if len(order) > 1:  # no bucket spans two points: each point's gradients bucketed on their own
+        points = [[r for r in ready if final_at[r.name] == j] for j in range(len(order))]
+        layout = _concatenated([plan_layout(p, options, len(setup.grad_group.ranks), ties) for p in points if p])
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement="flush",
-                     grad_group=setup.grad_group, tie_groups=setup.tie_groups,
-                     ties={n: t.key for n, t in setup.ties.items()},
-                     param_dtypes={n: p.dtype for n, p in params.items()})
+                     grad_group=setup.grad_group, tie_groups=setup.tie_groups, ties=ties,
+                     param_dtypes={n: p.dtype for n, p in params.items()}, layout=layout)
     if len(order) > 1 and plan.shard:  # all-reduced buckets (shard=False) hand out views: read only once waited
         plan = dataclasses.replace(plan, graphs=place_after(plan.layout, final_at, len(order)))
     return BuiltStage(plan, params, None, {w: _flush_graph(plan, params, options, w) for w in plan.graphs},
                       order=tuple(order))
+
+
+def _concatenated(layouts: list[BucketLayout]) -> BucketLayout:
+    """One layout of several, in order, the buckets numbered on."""
+    buckets = [b for lay in layouts for b in lay.buckets]
+    return BucketLayout(tuple(dataclasses.replace(b, index=i) for i, b in enumerate(buckets)), layouts[0].shards)
 
 
 def _split(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: SyncOptions, what: str,
