@@ -48,6 +48,7 @@ MISTAKES = {
     "cp_3_on_4": ("--cp 3 on 4 processes", ["--cp", "3"]),
     "seq_not_split_by_cp": ("--cp 2 with a --seq that 2 x cp does not divide", ["--cp", "2", "--seq", "30"]),
     "zero_bubble_without_pipeline": ("--schedule zb1p without --pp", ["--schedule", "zb1p"]),
+    "balanced_without_pipeline": ("--split balanced without --pp", ["--split", "balanced"]),
     "batch_not_divisible": ("--batch 6 over dp=4 x --microbatches 2", ["--batch", "6"]),
     "data_missing": ("--data naming no file", ["--data", "{d}/no_such_tokens.bin"]),
     "data_ids_beyond_vocab": ("token ids beyond the model's vocabulary (256)", ["--data", "{d}/ids_to_300.bin"]),

@@ -234,6 +234,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "tied_buckets": [sync.sync_plan.layout.locate(name)[0].index for name in sync.ties],
         "n_buckets": len(sync.sync_plan.layout.buckets),
         "bucket_params": [[s.name for s in b.slots] for b in sync.sync_plan.layout.buckets],
+        "bucket_numels": [b.numel for b in sync.sync_plan.layout.buckets],
         "split_points": list(split_points),
         "early_log": list(sync.early.log),
         "report": sync.schedule_report(),

@@ -166,6 +166,8 @@ def parse(argv=None):
     args = ap.parse_args(argv)
     if args.save_every and not args.ckpt:
         ap.error("--save-every needs --ckpt")
+    if args.split == "balanced" and args.pp == 1:
+        ap.error("--split balanced places pipeline stages: give --pp 2 or more (one stage has nothing to balance)")
     for name in ("steps", "batch", "seq", "microbatches", "log_every", "nproc_per_node"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")

@@ -21,7 +21,8 @@ graph whose outputs are its gradient inputs), `SyncSpec.grad_outputs` maps
 parameter names to output positions, and every rank of a group compiles the
 same layout (the cross-rank fingerprint checks it at run time).
 
-Memory (shard=True): one reduce-scatter in flight. Bucket k+1's reduce-scatter reads its input
+Memory (shard=True): one reduce-scatter in flight (not with spec.chain=False: an early graph, whose
+reductions are waited for outside it, passes/defer_waits.py, their inputs alive until then). Bucket k+1's reduce-scatter reads its input
 through a zero made from bucket k's reduced shard (x - 0.0, bit for bit), so bucket k's wait comes first in every
 schedule and its input, the bucket's whole gradients, is freed before bucket k+1's are reduced
 (Inductor keeps a collective's input alive until its wait: with every wait at the graph's end, all

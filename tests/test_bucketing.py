@@ -90,5 +90,16 @@ def test_after_several_stage_graphs_a_bucket_reduces_early_only_once_all_its_gra
     got = place_after(layout, {"p0": 0, "p1": 0, "p2": 1, "p3": 2}, points=3)
     assert {w: [b.index for b in lay.buckets] for w, lay in got.items()} == {"early0": [0, 1], "early1": [2],
                                                                             "flush": [3]}
+    shared = plan_buckets(specs(100, 100), bucket_mb=1.0, shards=1, tail_mb=1.0)  # one bucket, final at 0 and 1
+    assert [len(b.slots) for b in shared.buckets] == [2]
+    assert list(place_after(shared, {"p0": 0, "p1": 1}, points=3)) == ["early1"]  # at its later gradient's point
     tied = plan_buckets(specs(100, 100), bucket_mb=1.0, shards=1, ties={"p0": "t"})
     assert list(place_after(tied, {"p0": 0, "p1": 0}, points=2)) == ["flush"]  # its all-reduce meets another rank's
+
+
+def test_a_ranks_gradients_are_ordered_and_final_by_the_order_its_stage_graphs_finish():
+    from gradsched.sync.stage_build import finishing_points
+    first, second = specs(1, 2), [GradSpec("q", (3,), torch.float32, 0), GradSpec("p0", (1,), torch.float32, 1)]
+    ready, final_at = finishing_points([first, second], order=(1, 0))  # the second graph finished first
+    assert [r.name for r in ready] == ["q", "p0", "p1"]
+    assert final_at == {"q": 0, "p0": 1, "p1": 1}  # p0, written by both (a tie on the rank), once both are done

@@ -20,3 +20,14 @@ def test_collectives_keep_their_order():
     before = [n.name for n in backward_like_graph().graph.nodes if is_collective(n)]
     gm, _ = defer_waits(backward_like_graph())
     assert [n.name for n in gm.graph.nodes if is_collective(n)] == before
+
+
+def test_after_the_agreement_the_kept_input_is_the_one_the_reduction_reads():
+    import gradsched.sync.agreement  # noqa: F401 - registers gradsched::agree
+    from gradsched.passes.agreement import AgreementSpec, insert_agreement
+    gm, _ = insert_agreement(backward_like_graph(), AgreementSpec(torch.ops.gradsched.agree.default, {"dp": 2}))
+    gm, record = defer_waits(gm)
+    out = list(gm.graph.output_node().args[0])
+    reduction = out[record.deferred[0]]
+    kept = out[len(out) - record.kept:]
+    assert reduction.args[0].target is torch.ops.aten.sub.Tensor and kept == [reduction.args[0]]  # minus the zero

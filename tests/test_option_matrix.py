@@ -81,11 +81,13 @@ CASES = {
                                               steps=3, bucket_mb=0.004),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
-    "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4),
-    # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through
+    "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4,
+                                             bucket_mb=0.004),
+    # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through;
+    # shard=False: B and W all-reduced in the flush
     "pp2_dp2_zbv_hf_llama_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw", labels="padded",
                                    schedule="zbv", config=GPTConfig(layers=4), hf_stages=4,
-                                   options={"compiler": "eager", "microbatches": 4}),
+                                   options={"compiler": "eager", "microbatches": 4, "shard": False}),
 }
 
 STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
@@ -189,7 +191,8 @@ def expected_placement(job_, r) -> dict:
     ends (two stages a rank here)."""
     buckets = list(range(r["n_buckets"]))
     if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
-        if job_.schedule not in SPLIT_BACKWARD or job_.options.get("shard", True) is not True:
+        if job_.schedule not in SPLIT_BACKWARD or job_.options.get("shard", True) is not True or \
+                job_.options.get("placement", "auto") == "flush":
             return {"flush": buckets}  # no one backward graph holds all of a rank's gradients
         # the rank's later stage, whose backward comes first: the V's second leg, or the last loop's
         later = 2 * job_.pp - 1 - r["stage"] if job_.schedule in V else r["stage"] + job_.pp * (
@@ -226,8 +229,15 @@ def test_in_a_v_a_stages_buckets_reduce_while_the_ranks_other_stage_still_comput
             assert r["early_log"] == [("early0", 2)] + [("early0", 1)] * (CASES.get(name, INDUCTOR.get(name)).steps - 1)
     for r in inductor_runs["inductor_pp2_dp2_zbv_small_buckets_m4"]:  # Inductor's code returns them un-waited
         code = r["sync_code"]["early0"]
-        assert code.count("reduce_scatter_tensor.default(") == len(r["sync_graph_buckets"]["early0"])
-        assert code.count("wait_tensor.default(") == code.count("all_gather_into_tensor.default(")  # the agreement's
+        issued = re.findall(r"(buf\d+) = torch.ops._c10d_functional.reduce_scatter_tensor.default\((buf\d+),", code)
+        shapes = re.findall(r"assert_size_stride\(buf\d+, \((\d+), \).*reduce_scatter_tensor", code)
+        early = r["sync_graph_buckets"]["early0"]
+        # one reduce-scatter a bucket, in bucket order (each shard half of its bucket), none waited for in the
+        # code (its only wait the agreement's), each returned with the tensor it reads (alive until the flush)
+        assert [int(n) for n in shapes] == [r["bucket_numels"][b] // 2 for b in early]
+        assert code.count("wait_tensor.default(") == code.count("all_gather_into_tensor.default(")
+        returned = re.findall(r"return \((.*)\)", code.split("def call(")[1])[0]
+        assert all(out in returned and inp in returned for out, inp in issued) and len(issued) == len(early)
 
 
 @pytest.mark.parametrize("name", list(CASES))

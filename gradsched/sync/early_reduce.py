@@ -26,7 +26,7 @@ class EarlyReductions:
         self.first_order: list[int] = []  # the first step: the order the stage graphs finished in
         self.done = 0  # stage graphs finished this step
         self.pending: list = []  # (SyncGraph, its outputs) issued this step and not yet waited for
-        self.log: list[tuple[str, int]] = []  # (graph, stage graphs finished when it was issued), every step: tests
+        self.log: list[tuple[str, int]] = []  # (graph, stage graphs finished when issued), the last 64: tests
 
     def order(self, parts: int) -> tuple[int, ...]:
         """The finishing order, when every part finished once on the first step (else () : no early graphs)."""
@@ -68,6 +68,7 @@ class EarlyReductions:
             p.grad = None  # their buckets hold them now (kept alive in `outs` until the wait)
         self.pending.append((sg, outs))
         self.log.append((sg.where, self.done))
+        del self.log[:-64]
 
     def wait(self, results: dict) -> None:
         """At the flush: every early graph's reduced shards, into `results` (bucket index -> shard)."""
@@ -75,9 +76,21 @@ class EarlyReductions:
             with JOURNAL.entry(f"the early reduction graph {sg.where[5:]} (waited at the flush)"):
                 shards = [WAIT(t) for t in outs[:len(sg.layout.buckets)]]
             results.update(zip((b.index for b in sg.layout.buckets), shards))
-        self.reset()
-
-    def reset(self) -> None:
-        """A step starts (or ended): nothing issued is still wanted (a step that failed part way)."""
         self.pending.clear()
         self.done = 0
+
+    def reset(self, planned: bool = True) -> None:
+        """A step starts (or ended). What a step that failed part way issued is waited for and dropped (never
+        left in flight: its work and tensors would stay registered); an error then is the failed step's own.
+        Before the plan (`planned` False: the first step failed), the order seen so far is forgotten."""
+        for sg, outs in self.pending:
+            try:
+                with JOURNAL.entry(f"the early reduction graph {sg.where[5:]} of a step that failed (drained)"):
+                    for t in outs[:len(sg.layout.buckets)]:
+                        WAIT(t)
+            except Exception:  # noqa: BLE001 - the step already failed, and says why
+                pass
+        self.pending.clear()
+        self.done = 0
+        if not planned:
+            self.first_order.clear()

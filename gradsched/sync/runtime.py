@@ -149,7 +149,8 @@ class GradSync:
                                f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
                                "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
         part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.split_backward)
-        index = len(self.parts)
+        index = next(  # a stage graph compiled again keeps its place in the order the parts finish
+            (i for i, q in enumerate(self.parts) if q.params.keys() == params.keys()), len(self.parts))
         self.parts.append(part)
         attach(self, params.values())
         if self.options.shard:
@@ -208,7 +209,7 @@ class GradSync:
         self._handoff.clear()
         self._w_outstanding = 0
         self._part_w.clear()
-        self.early.reset()
+        self.early.reset(planned=self.built is not None)
 
     def take_w(self):
         """The W of the backward just run (the schedule's dw_builder): a callable to run when the schedule
@@ -230,9 +231,8 @@ class GradSync:
     def _reduced(self, sg: SyncGraph, grads: dict, params: dict) -> None:
         """The last micro-batch's W has run: its reductions are the step's."""
         if self._w_outstanding != 1:  # it read the accumulated gradients: every other W must be in them
-            raise RuntimeError(f"gradsched: the last micro-batch's weight gradients (W) ran with "
-                               f"{self._w_outstanding - 1} other W still to run: the schedule must run each "
-                               "stage's W in micro-batch order.")
+            raise RuntimeError(f"gradsched: the last micro-batch's weight gradients (W) ran with {self._w_outstanding - 1}"
+                               " other W still to run: the schedule must run each stage's W in micro-batch order.")
         record = sg.record
         for n in record.acc_inputs:
             params[n].grad = None  # consumed: the reduced gradient replaces it
@@ -252,7 +252,8 @@ class GradSync:
         if self.built is None and self.setup.placement == "backward":
             return
         if self.built is None and self.parts:  # several stages a rank: every stage graph has compiled by now
-            self.built = build_union(self.parts, self.setup, self.options, self.early.order(len(self.parts)))
+            distinct = len({frozenset(q.params) for q in self.parts})  # (a recompiled stage graph counts once)
+            self.built = build_union(self.parts, self.setup, self.options, self.early.order(distinct))
             self.early.catch_up(self)
         built = self._require_built()
         if built.order and self.early.done != len(built.order):

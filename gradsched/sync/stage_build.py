@@ -121,7 +121,7 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
 class StagePart:
     """One stage graph of a rank that holds several: its gradients' ready order, its parameters (by the rank's
     names), and its backward compiled whole or as B and W. Autograd (or W) accumulates its gradients in .grad
-    every micro-batch; the rank's flush reduces them all."""
+    every micro-batch; the rank's flush reduces them, or an early graph as the part finishes (build_union)."""
     ready: list
     params: dict
     grad_names: dict  # backward output position -> parameter name
@@ -151,13 +151,8 @@ def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
     Given, the gradients are laid out in that order and each bucket whose every gradient is final before the
     last part finishes goes to that point's early graph ("early{j}", passes/bucketing.place_after), run there
     and waited for at the flush (gradsched.sync.early_reduce)."""
-    params, ready, final_at = {}, {}, {}
-    for j, part in enumerate([parts[i] for i in order] if order else parts):
-        params.update(part.params)
-        for r in part.ready:
-            ready.setdefault(r.name, r)
-            final_at[r.name] = j  # a gradient two parts write (a tie on the rank) is final after the later
-    ready = list(ready.values())
+    params = {n: p for part in parts for n, p in part.params.items()}
+    ready, final_at = finishing_points([part.ready for part in parts], order)
     check_backward_graph(setup, ready, None)
     ties = {n: t.key for n, t in setup.ties.items()}
     layout = None
@@ -167,10 +162,27 @@ def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement="flush",
                      grad_group=setup.grad_group, tie_groups=setup.tie_groups, ties=ties,
                      param_dtypes={n: p.dtype for n, p in params.items()}, layout=layout)
-    if len(order) > 1 and plan.shard:  # all-reduced buckets (shard=False) hand out views: read only once waited
+    # not under shard=False (all-reduced buckets hand out views, read only once waited), nor for a gradient group
+    # of one rank: its reduction is a copy, nothing to overlap, and it would hold a second copy of the gradients
+    # until the flush (an early reduction's input and output both live until then)
+    # (and not under an explicit placement="flush": every bucket after the schedule)
+    if len(order) > 1 and plan.shard and len(setup.grad_group.ranks) > 1 and setup.placement == "split":
         plan = dataclasses.replace(plan, graphs=place_after(plan.layout, final_at, len(order)))
+    early = any(w.startswith("early") for w in plan.graphs)
     return BuiltStage(plan, params, None, {w: _flush_graph(plan, params, options, w) for w in plan.graphs},
-                      order=tuple(order))
+                      order=tuple(order) if early else ())
+
+
+def finishing_points(parts_ready: list[list], order: tuple[int, ...]) -> tuple[list, dict]:
+    """(every gradient once, in the order the parts finish (`order`; else as given), and name -> the point at
+    which it is final: its last writer's position in that order; a gradient two parts write, a tie on the rank,
+    is final after the later)."""
+    ready, final_at = {}, {}
+    for j, part in enumerate([parts_ready[i] for i in order] if order else parts_ready):
+        for r in part:
+            ready.setdefault(r.name, r)
+            final_at[r.name] = j
+    return list(ready.values()), final_at
 
 
 def _concatenated(layouts: list[BucketLayout]) -> BucketLayout:
