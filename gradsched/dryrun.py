@@ -36,54 +36,21 @@ import json
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
 
 from gradsched.hf import LLAMA, from_config, llama
 from gradsched.sizing import args as cli_args
 from gradsched.sizing.accounting import account, by_group, held_bytes, verdict
 from gradsched.sizing.device_attention import DEVICES, priced_as
 from gradsched.sizing.report import count, describe, parse_bytes, size
+from gradsched.sizing.roles import (Role, fake_world, like, nbytes, run_rank_schedule, run_schedule, stage_args,
+                                    stage_outputs)
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
-from gradsched.training.pipeline_schedule import SCHEDULES, SPLIT_BACKWARD, resolve_schedule, schedule_order
+from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule, schedule_order
 
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
-
-
-@dataclass
-class Role:
-    """One pipeline stage's ranks, as one of them measured them."""
-    stage: int
-    ranks: str
-    params: int = 0  # bytes: the parameters (their shards under shard="params")
-    grads: int = 0  # the reduced gradient shards and any whole .grad held when the optimizer steps
-    masters: int = 0  # fp32 master copies that are not the parameters' shards themselves
-    optimizer: int = 0  # optimizer state
-    peak: int = 0  # held at the step's start + the highest sum of what its ops created
-    held: int = 0  # of which: held at the third step's start
-    transient: int = 0  # of which: the most the step's ops held at once above that
-    saved: int = 0  # what they held after the first micro-batch's forward (its saved activations, its output)
-    # a backward's peak above the saved activations of the micro-batches in flight at its start (saved each):
-    accumulating: int = 0  # the most of any but the last (m > 1: the gradients accumulated so far, and the new)
-    final_backward: int = 0  # the last's (its reductions; with m > 1 fed the accumulated gradients; under zb1p
-    #                          the last B's: its reductions run in the last W, counted in the transient only)
-    stash: int = 0  # under zb1p, the most a B left alive for its W (what it added, plus the saved it consumed)
-    collectives: dict = field(default_factory=dict)  # "op over group kind" -> bytes per step
-    p2p: dict = field(default_factory=dict)  # "activations received" / "their gradients sent back" -> bytes per step
-    buckets: list = field(default_factory=list)  # elements of each bucket (padded), in reduction order
-    verdict: str = ""
-    seconds: float = 0.0
-
-
-def fake_world(rank: int, world: int) -> None:
-    """This process plays `rank` of `world` on torch's fake process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
 
 
 def from_module(spec: str, dtype: torch.dtype):
@@ -138,7 +105,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
     world = pp * dp * cp
     roles, built, sent, pipe = [], [], [], None
     try:
-        for stage in range(pp):
+        for stage in range(pp):  # a pipeline rank: its stage, or its stages (several a rank)
             t0 = time.perf_counter()
             torch._dynamo.reset()  # each role compiles its own graphs, as its process would
             rank = (stage * dp) * cp  # dp 0, cp 0 of the stage
@@ -147,106 +114,55 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             pm = ParallelModel(model, plan, loss_fn, split_points=split_points, **options)
             x, y = pm._shard_sequence(tokens, tokens)
             chunks = [tuple(t.chunk(m)[i] for t in x) for i in range(m)]
+            several = pm.stages_per_rank > 1
             if pp > 1:
                 if pipe is None:
                     pipe = pm.split(chunks[0])
+                    sent = stage_outputs(pipe[0], chunks, pm.num_stages) if several else sent
                 pm.build_stage(*pipe)
             opt = DistributedOptimizer(pm, optimizer, **(optimizer_kwargs or {"lr": 1e-4}))
             role = Role(stage, f"{rank}-{rank + dp * cp - 1}" if dp * cp > 1 else str(rank))
-            inputs = chunks if stage == 0 else [_stage_args(pipe[0], stage, sent, i) for i in range(m)]
+            local = list(pm.local) if several else [stage]
+            last = pm.num_stages - 1 if several else pp - 1
+            inputs = {s: chunks if s == 0 else [stage_args(pipe[0], s, sent, i) for i in range(m)] for s in local}
             for step in range(STEPS):
                 held = held_bytes(pm, opt)
                 with LiveBytes(backend) as live:
-                    outs, saved, above, stash = _run_schedule(pm, inputs, y.chunk(m), stage, pp, m, live)
+                    if several:
+                        outs, saved, above, stash = run_rank_schedule(pm, inputs, y.chunk(m), stage, m, live)
+                    else:
+                        outs, saved, above, stash = run_schedule(pm, inputs[stage], y.chunk(m), stage, pp, m, live)
+                        outs = {stage: outs}
                     if step == STEPS - 1:
                         account(role, pm, opt)
                     opt.step()
                     opt.zero_grad()
                 # + torch's pipeline stage's buffers, made once and kept across steps: one set of received
-                # activations per micro-batch (stage > 0), one of received output gradients (stage < pp - 1)
-                received = m * storage_bytes(inputs[0]) if stage else 0
-                grads_in = m * sum(_nbytes(*t) for t in outs[0] if t[3]) if stage < pp - 1 else 0
+                # activations per micro-batch (a stage but the first), one of received output gradients (but the last)
+                received = sum(m * storage_bytes(inputs[s][0]) for s in local if s)
+                grads_in = sum(m * sum(nbytes(*t) for t in outs[s][0] if t[3]) for s in local if s < last)
                 role.peak = held + live.peak + received + grads_in + RUNTIME[backend]
                 role.held, role.transient, role.saved = held, live.peak, saved
                 role.accumulating, role.final_backward, role.stash = max(above[:-1], default=0), above[-1], stash
             role.collectives = by_group(live.collectives, plan, pm)
-            sent.append([[_like(*t) for t in o] for o in outs])  # what later stages receive
-            if stage > 0:
-                role.p2p["activations received"] = m * storage_bytes(inputs[0])
-                role.p2p["their gradients sent back"] = m * storage_bytes([t for t in inputs[0] if t.requires_grad])
+            if not several:
+                sent.append([[like(*t) for t in o] for o in outs[stage]])  # what later stages receive
+            if received:
+                role.p2p["activations received"] = received
+                role.p2p["their gradients sent back"] = sum(
+                    m * storage_bytes([t for t in inputs[s][0] if t.requires_grad]) for s in local if s)
+            role.stages = local if several else []
             role.seconds = time.perf_counter() - t0
             roles.append(role)
             built.append(pm.grad_sync)
-            progress(f"dry run: stage {stage} of {pp} measured in {role.seconds:.0f} s")
+            progress(f"dry run: {'pipeline rank' if several else 'stage'} {stage} of {pp} measured in "
+                     f"{role.seconds:.0f} s")
         for role, sync in zip(roles, built):
             role.verdict = verdict(sync, built)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
     return roles
-
-
-def _stage_args(pipe, stage: int, sent: list, i: int) -> tuple:
-    """Micro-batch i's inputs of `stage`, from the earlier stages' outputs as the split wires them (a value
-    may come from any earlier stage, not only the previous one: pipelining sends it there directly)."""
-    import operator
-    calls = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]  # one per stage, in stage order
-    call = calls[stage]
-
-    def source(a):
-        index = 0
-        if a.op == "call_function" and a.target is operator.getitem:
-            a, index = a.args
-        return sent[calls.index(a)][i][index]
-    return tuple(source(a) for a in call.args)
-
-
-def _like(shape, dtype, device, requires_grad):
-    """What a later stage receives: a fresh tensor of an output's shape; torch's pipeline stage asks for a
-    gradient of every floating-point one."""
-    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
-
-
-def _nbytes(shape, dtype, device, requires_grad) -> int:
-    return shape.numel() * dtype.itemsize
-
-
-def _run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
-    """The stage's micro-batches in its schedule's order; returns each forward's outputs (leaves) as
-    (shape, dtype, device, requires_grad), what `live` counted after the first forward, and each backward's
-    peak above that many bytes per micro-batch in flight at its start (see Role.accumulating), and the most a B
-    left alive for its W (Role.stash)."""
-    outs, pending, saved, above, weights, stash = [None] * m, {}, None, [], {}, 0
-    last, split = stage == pp - 1, pm.schedule_name in SPLIT_BACKWARD
-    if pp > 1:
-        pm.grad_sync.begin_step()
-    for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
-        if kind == "W":  # the weights' gradients of micro-batch i, queued by its B (its stash held until now)
-            weights.pop(i)()
-            continue
-        if kind == "F":
-            out = pm.module(*inputs[i])
-            leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            # only their shapes are kept: a stage's outputs die after its backward (a last stage's with its loss)
-            outs[i] = [(t.shape, t.dtype, t.device, t.requires_grad) for t in leaves]
-            pending[i] = pm.loss_fn(out, targets[i]) if last else leaves
-            del out, leaves
-            saved = live.now if saved is None else saved
-            continue
-        peak, in_flight, live.peak, before = live.peak, len(pending), live.now, live.now  # its own peak, then the step's
-        with pm.grad_sync.step_boundary(last=i == m - 1):
-            if last:
-                pending.pop(i).backward()
-            else:
-                grads = [t for t in pending.pop(i) if t.requires_grad]
-                torch.autograd.backward(grads, [torch.empty_like(t) for t in grads])
-        if split:
-            weights[i] = pm.grad_sync.take_w()
-            stash = max(stash, live.now - before + saved)
-        above.append(live.peak - in_flight * saved)
-        live.peak = max(peak, live.peak)
-    pm.grad_sync.flush()
-    return outs, saved, above, stash
 
 
 def main(argv=None) -> int:
@@ -310,22 +226,25 @@ def main(argv=None) -> int:
     except (ImportError, AttributeError, ValueError, KeyError, TypeError, RuntimeError) as e:  # the user's model
         flag = f"--module {args.module}" if args.module else f"--config {args.config}" if args.config else args.model
         raise SystemExit(f"{flag}: the model could not be built: {type(e).__name__}: {str(e).splitlines()[0]}")
-    if args.split_points:
-        split_points = args.split_points.split(",")
-    elif split_points is None and layers is not None:
-        if args.pp > layers:
-            raise SystemExit(f"--pp {args.pp}: {name} has {layers} layers; use pp <= {layers}.")
-        split_points = even_split_points(layers, args.pp)
-    if args.pp > 1 and len(split_points or ()) != args.pp - 1:
-        raise SystemExit(f"--pp {args.pp} needs {args.pp - 1} split point(s): give --split-points (module names).")
-    shard = {"params": "params", "true": True, "false": False}[args.shard]
     try:
         schedule = resolve_schedule(args.schedule, args.pp, m)
     except ValueError as e:
         raise SystemExit(f"--schedule {args.schedule} with --pp {args.pp} and {m} micro-batches: {e}") from None
-    if schedule in ("interleaved_1f1b", "zbv", "dualpipev"):
-        raise SystemExit(f"--schedule {schedule}: the dry run does not price several stages a rank yet: price "
-                         "zb1p or 1f1b at the same pp instead.")
+    stages = args.pp * (2 if schedule in ("interleaved_1f1b", "zbv", "dualpipev") else 1)  # two a rank
+    if args.split_points:
+        split_points = args.split_points.split(",")
+    elif split_points is None and layers is not None:
+        if stages > layers:
+            two = f" ({stages} stages under {schedule}, two a rank)" if stages > args.pp else ""
+            raise SystemExit(f"--pp {args.pp}{two}: {name} has {layers} layers; use pp <= {layers * args.pp // stages}.")
+        split_points = even_split_points(layers, stages)
+    if args.pp > 1 and len(split_points or ()) != stages - 1:
+        raise SystemExit(f"--pp {args.pp} needs {stages - 1} split point(s) ({stages} stages): give --split-points "
+                         "(module names).")
+    shard = {"params": "params", "true": True, "false": False}[args.shard]
+    if stages > args.pp and shard == "params":
+        raise SystemExit(f"--schedule {schedule} holds two stages a rank, which does not run with --shard params yet: "
+                         "price it with --shard true (or false), or price zb1p or 1f1b with --shard params.")
     print(f"dry run: {name} ({count(sum(p.numel() for p in model.parameters()))} parameters, "
           f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
           f"shard={shard!r}, {f'{schedule} schedule, ' if args.pp > 1 else ''}"

@@ -252,12 +252,41 @@ def test_a_plan_with_more_stages_than_layers_is_refused_in_one_line():
         main(["--model", "llama-tiny", "--pp", "8"])
 
 
-def test_a_schedule_of_several_stages_a_rank_is_refused_by_name():
+def test_a_v_is_priced_per_pipeline_rank_with_the_tie_one_parameter_on_rank_0(tmp_path):
+    """zbv: each pipeline rank's two stages run in one role, in torch's ZB-V action order for that rank; rank 0
+    holds the embedding, the first and last layers and the final norm, the head being the embedding itself."""
+    pytest.importorskip("transformers")
+    from gradsched.hf import llama
+    roles = _roles(["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--seq", "64", "--tie", "--schedule", "zbv",
+                    "--shard", "true", "--microbatches", "4", "--bucket-mb", "0.05"], tmp_path)
+    assert [r["stages"] for r in roles] == [[0, 3], [1, 2]]
+    model, layers = llama("llama-tiny", torch.bfloat16, tie=True)
+    numel = lambda *prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))  # noqa
+    layer = lambda i: f"model.model.layers.{i}."  # noqa: E731
+    assert layers == 4 and roles[0]["params"] == 2 * numel("model.model.embed_tokens", layer(0), layer(3),
+                                                           "model.model.norm")
+    assert roles[1]["params"] == 2 * numel(layer(1), layer(2))
+    for r in roles:
+        assert not any("tie" in k for k in r["collectives"]) and "early0 graph: ok" in r["verdict"]
+        assert r["p2p"]["activations received"] > 0  # rank 0's last stage receives too
+
+
+def test_looped_stages_are_priced_with_their_tie_across_the_ranks(capsys):
     pytest.importorskip("transformers")
     from gradsched.dryrun import main
-    for schedule in ("zbv", "interleaved_1f1b"):
-        with pytest.raises(SystemExit, match=f"--schedule {schedule}: the dry run does not price several stages"):
-            main(["--model", "llama-tiny", "--pp", "2", "--microbatches", "4", "--schedule", schedule])
+    assert main(["--model", "llama-tiny", "--pp", "2", "--seq", "64", "--tie", "--schedule", "interleaved_1f1b",
+                 "--shard", "true", "--microbatches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline rank 0, stages 0 and 2 (ranks 0)" in out and "pipeline rank 1, stages 1 and 3 (ranks 1)" in out
+    assert out.count("flush graph: ok, 1 tie(s) proven") == 2
+
+
+def test_several_stages_a_rank_with_sharded_parameters_is_refused_by_name():
+    pytest.importorskip("transformers")
+    from gradsched.dryrun import main
+    with pytest.raises(SystemExit, match="--schedule zbv holds two stages a rank, which does not run with --shard "
+                                         "params yet"):
+        main(["--model", "llama-tiny", "--pp", "2", "--microbatches", "4", "--schedule", "zbv"])
 
 
 def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():

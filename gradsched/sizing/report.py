@@ -23,7 +23,9 @@ def size(n: int) -> str:
 
 def describe(r) -> str:  # r: a gradsched.dryrun.Role
     gib = size
-    lines = [f"stage {r.stage} (ranks {r.ranks}): peak {gib(r.peak)}; parameters {gib(r.params)}, gradients "
+    who = (f"pipeline rank {r.stage}, stages {' and '.join(map(str, r.stages))}" if getattr(r, "stages", None)
+           else f"stage {r.stage}")
+    lines = [f"{who} (ranks {r.ranks}): peak {gib(r.peak)}; parameters {gib(r.params)}, gradients "
              f"{gib(r.grads)}, masters {gib(r.masters)}, optimizer state {gib(r.optimizer)}"]
     lines += [f"    {k}: {gib(v)} per step" for k, v in {**r.collectives, **r.p2p}.items()]
     lines.append(f"    verifier: {r.verdict}")
