@@ -89,8 +89,8 @@ class Trainer:
             plan = gradsched.ParallelPlan.from_world(pp=job.pp, dp=job.dp)
             self.model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, compiler=compiler,
                                                shard="params" if impl == "gradsched_params" else True,
-                                               bucket_mb=bucket_mb,
-                                               split_points=["blocks.4"] if job.pp > 1 else (),
+                                               bucket_mb=bucket_mb, split_points=split_points(job),
+                                               schedule=job.schedule, microbatches=job.options.get("microbatches", 1),
                                                # a fake world has no peers to agree with
                                                check_ranks=dist.get_backend() != "fake")
             self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=LR, weight_decay=WEIGHT_DECAY)
@@ -205,6 +205,12 @@ def fake_world_run(impl: str, job: Job, compiler: str, bucket_mb: float, device:
     return ranks
 
 
+def split_points(job: Job) -> list[str]:
+    """Half the blocks a stage; under a schedule of two stages a rank, a quarter."""
+    stages = job.pp * (2 if job.schedule in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
+    return [f"blocks.{i * job.config.layers // stages}" for i in range(1, stages)]
+
+
 def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, backend: str,
                    device: str) -> int | None:
     """The dry run's peak for gradsched's implementations (the largest over stages), attention priced as
@@ -216,7 +222,7 @@ def predicted_peak(impl: str, job: Job, batch_per_rank: int, bucket_mb: float, b
     with torch.device("meta"):
         model = TinyGPT(job.config)
     roles = dry_run(model, lm_loss, pp=job.pp, dp=job.dp, cp=1, batch=batch_per_rank, seq=job.config.seq,
-                    split_points=["blocks.4"] if job.pp > 1 else (),
+                    split_points=split_points(job), schedule=job.schedule, microbatches=job.options.get("microbatches", 1),
                     optimizer_kwargs={"lr": LR, "weight_decay": WEIGHT_DECAY}, progress=lambda s: None, backend=backend, device=device,
                     shard="params" if impl == "gradsched_params" else True, bucket_mb=bucket_mb)
     return max(r.peak for r in roles)
@@ -255,6 +261,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages (gradsched only: DDP and FSDP2 run at pp 1)")
     ap.add_argument("--dp", type=int, default=4)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--schedule", default="auto", help="gradsched's pipeline schedule (pp > 1), e.g. zbv")
+    ap.add_argument("--microbatches", type=int, default=1, help="gradsched's micro-batches a step")
     ap.add_argument("--batch-per-rank", type=int, default=2)
     ap.add_argument("--seq", type=int, default=CONFIG.seq, help="tokens per sequence (attention's share of the "
                     "peak grows with it: the dry run's pricing of the device's kernel is checked at two lengths)")
@@ -280,7 +288,7 @@ def main(argv=None) -> int:
     out = args.out if args.out is not None else RESULTS / f"memory_pp{args.pp}_dp{args.dp}{suffix}.jsonl"
     job = Job(pp=args.pp, dp=args.dp, steps=args.steps, global_batch=args.dp * args.batch_per_rank,
               config=dataclasses.replace(CONFIG, seq=args.seq),
-              optimizer="adamw", lr=LR)
+              optimizer="adamw", lr=LR, schedule=args.schedule, options={"microbatches": args.microbatches})
     if args.bucket_mb is None:  # one block, as FSDP2 is wrapped: both move the same bytes at a time
         block = build_model(job)[0].blocks[0]
         args.bucket_mb = sum(p.numel() * p.element_size() for p in block.parameters()) / 2**20
@@ -311,6 +319,7 @@ def main(argv=None) -> int:
             if args.debug:
                 print(sorted(diffs.items(), key=lambda kv: -kv[1])[:5])
         rows.append({"bench": "memory", "impl": impl, "pp": args.pp, "dp": args.dp, "seq": args.seq, "compiler": args.compiler,
+                     **({"schedule": args.schedule, "microbatches": args.microbatches} if args.pp > 1 else {}),
                      "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                      "world": "fake (rank 0 in one process, no communication)" if fake else "gloo processes",
                      "bucket_mb": args.bucket_mb if impl.startswith("gradsched") else None,
