@@ -10,6 +10,8 @@ dp gloo processes (one thread each), once per implementation, and prints one JSO
                      process on torch's fake process group (collectives move nothing), so memory and compute
                      are the device's and nothing is communicated; no parameter check (pp 1 only). The rows
                      name the device and the world. --fake-world does the same on CPU.
+  --pp 2 --schedule zbv --microbatches 4    gradsched alone, under a pipeline schedule (two stages a rank for
+                     zbv, dualpipev, interleaved_1f1b), its peak beside the dry run's prediction for the same plan
 
   impl               ddp (torch DDP), fsdp2 (fully_shard per block and at the root, its defaults:
                      parameters resharded after forward), gradsched_optimizer (parallelize(shard=True):
