@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     for r in roles:
         print(describe(r))
     print(f"dry run: {time.perf_counter() - t0:.0f} s; largest peak {size(max(r.peak for r in roles))} "
-          f"(stage {max(roles, key=lambda r: r.peak).stage})")
+          f"({'pipeline rank' if roles[0].stages else 'stage'} {max(roles, key=lambda r: r.peak).stage})")
     if args.plot:
         from gradsched.sizing.plot import plot_roles
         plot_roles(roles, args.plot, parse_bytes(args.device_memory), f"{name}: pp={args.pp} x dp={args.dp} x cp={args.cp}, "
