@@ -21,7 +21,7 @@ candidates). Instead the graphs are built for a few small probes and each candid
               With m > 1 each micro-batch's gradients are summed, whole, until the step's reduction: a backward
               before the last holds them and the new ones with k micro-batches in flight, the last feeds them
               to the reductions with one; probes with three micro-batches measure both peaks above their
-              micro-batches in flight (accumulating, final; gradsched.dryrun.Role), fitted the same way, and
+              micro-batches in flight (accumulating, final; gradsched.sizing.roles.Role), fitted the same way, and
               the stage's activations are the largest of the three moments:
                   max(k x saved + rest, k x saved + accumulating, saved + final)
               A peak is a maximum over moments, not a sum: a sum of 1- and 2-layer probes' terms missed a
@@ -179,7 +179,7 @@ class Fitted:
 class End:
     """A stage end's activations: what one micro-batch's forward leaves alive (held once per micro-batch in
     flight) and the most the step holds above that (once); with m > 1, a backward's peak above the micro-batches
-    in flight at its start: one accumulating (all but the last) and the last (see gradsched.dryrun.Role)."""
+    in flight at its start: one accumulating (all but the last) and the last (see gradsched.sizing.roles.Role)."""
     saved: Fitted
     rest: Fitted
     accumulating: Fitted | None = None

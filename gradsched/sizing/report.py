@@ -21,7 +21,7 @@ def size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
-def describe(r) -> str:  # r: a gradsched.dryrun.Role
+def describe(r) -> str:  # r: a gradsched.sizing.roles.Role
     gib = size
     who = (f"pipeline rank {r.stage}, stages {' and '.join(map(str, r.stages))}" if getattr(r, "stages", None)
            else f"stage {r.stage}")
