@@ -140,7 +140,8 @@ def parse(argv=None):
     ap.add_argument("--split", default="even", choices=("even", "balanced"),
                     help="where pipeline stages begin (--pp > 1): even, the same number of decoder layers a stage; "
                          "balanced, where each rank's stages take the same time, timed on this device before the "
-                         "first step (gradsched.balanced_split_points: the head and the embedding count)")
+                         "first step, compiled by --compiler (gradsched.balanced_split_points: the head and the "
+                         "embedding count)")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
@@ -307,7 +308,8 @@ def train(args) -> int:
         mb = max(1, args.batch // plan.dp // args.microbatches)
         stack = points[0].rsplit(".", 1)[0]
         points = list(gradsched.balanced_split_points(model, (x[:mb],), y[:mb], next_token_loss,
-                                                      [f"{stack}.{i}" for i in range(1, layers)], args.pp, schedule))
+                                                      [f"{stack}.{i}" for i in range(1, layers)], args.pp, schedule,
+                                                      compiler=args.compiler))  # timed as the stages will run
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
                                   split_points=points,
                                   microbatches=args.microbatches, schedule=args.schedule, compiler=args.compiler,

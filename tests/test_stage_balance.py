@@ -1,6 +1,7 @@
 """balanced_split_points: the split that balances the ranks for a placement of stages, from measured pieces."""
 import random
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -76,6 +77,19 @@ def test_the_measured_split_moves_blocks_off_the_heavy_head_and_leaves_the_model
     pipe = pipeline(model, mb_args=(x,), split_spec={"blocks.2": SplitPoint.BEGINNING})
     assert torch.equal(pipe.get_stage_module(1)(pipe.get_stage_module(0)(x)), before)
     assert torch.equal(model(x), before)
+
+
+def test_timed_as_inductor_compiles_the_pieces_the_heavy_head_still_gets_one_block_and_the_model_is_untouched():
+    torch.manual_seed(0)
+    model = Wide()
+    x, y = torch.randint(0, 64, (2, 256)), torch.randint(0, 2048, (2, 256))
+    before = model(x).detach()
+    split = balanced_split_points(model, (x,), y, _loss, ["blocks.1", "blocks.2", "blocks.3"], pp=2, repeats=2,
+                                  compiler="inductor")
+    assert split == ("blocks.3",) and all(p.grad is None for p in model.parameters())
+    assert torch.equal(model(x), before)
+    with pytest.raises(ValueError, match="compiler='aot_eager': 'eager' or 'inductor'"):
+        balanced_split_points(model, (x,), y, _loss, ["blocks.1"], pp=2, compiler="aot_eager")
 
 
 def test_past_the_exhaustive_limit_the_v_still_balances_its_ranks(monkeypatch):

@@ -33,11 +33,16 @@ EXHAUSTIVE = 200_000  # cuts tried one by one up to this many; past it, the larg
 
 
 def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp: int, schedule: str = "1f1b",
-                          stages_per_rank: int | None = None, repeats: int = 5) -> tuple[str, ...]:
+                          stages_per_rank: int | None = None, repeats: int = 5,
+                          compiler: str = "eager") -> tuple[str, ...]:
     """The pp x (stages a rank) - 1 names of `candidates` (in model order: the points where a stage may begin,
     e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
     micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
-    process group is up), with real weights: it runs the model."""
+    process group is up), with real weights: it runs the model. compiler="inductor": each piece is timed as
+    torch.compile runs it (Inductor speeds blocks more than an LM head: eager times then overload the ranks of
+    blocks), at the cost of compiling every piece once before the timed runs."""
+    if compiler not in ("eager", "inductor"):
+        raise ValueError(f"balanced_split_points: compiler={compiler!r}: 'eager' or 'inductor'.")
     if schedule not in SCHEDULES:
         raise ValueError(f"balanced_split_points: schedule={schedule!r}, not one of {SCHEDULES}.")
     if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
@@ -52,7 +57,7 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
     device = example[0].device
     error, costs = None, torch.zeros(len(candidates) + 1, dtype=torch.float64, device=device)
     try:
-        costs = measure_pieces(model, example, target, loss_fn, candidates, repeats)
+        costs = measure_pieces(model, example, target, loss_fn, candidates, repeats, compiler)
     except Exception as e:  # noqa: BLE001 - agreed below, then raised: the other ranks would wait in the all-reduce
         error = e
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -141,10 +146,11 @@ def _least_largest_stage(prefix: list[float], k: int) -> list[int]:
     return cut[::-1]
 
 
-def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: int = 3) -> torch.Tensor:
+def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: int = 3,
+                   compiler: str = "eager") -> torch.Tensor:
     """[len(candidates) + 1] float64 seconds: each piece's forward and backward on one micro-batch (the last
-    piece with the loss), the least of `repeats` runs after one unmeasured (noise only adds time). The model's
-    gradients are left as they were."""
+    piece with the loss), the least of `repeats` runs after one unmeasured (noise only adds time; under
+    compiler="inductor" it compiles each piece). The model's gradients are left as they were."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("balanced_split_points runs the model: build it with real weights (it was on the meta "
@@ -164,6 +170,8 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
     pass_through_skips(pipe)  # each piece then takes the previous piece's outputs only
     pieces = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
     params = {id(p): p for m in (model, *pieces) for p in m.parameters()}.values()
+    if compiler == "inductor":  # each piece's own graph (a module of its own: no cache shared between pieces)
+        pieces = [torch.compile(p, backend="inductor", fullgraph=True) for p in pieces]
     kept = [(p, p.grad) for p in params]
     buffers = [(b, b.detach().clone()) for b in {id(b): b for m in (model, *pieces) for b in m.buffers()}.values()]
     device = example[0].device
