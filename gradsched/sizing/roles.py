@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, schedule_order
+from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, rank_actions, schedule_order
 
 
 @dataclass
@@ -121,29 +121,6 @@ def stage_outputs(pipe, chunks: list, num_stages: int) -> list:
         leaves = [like(t.shape, t.dtype, t.device, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         sent.append([leaves] * len(chunks))
     return sent
-
-
-def rank_actions(schedule: str, rank: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
-    """(kind, stage, micro-batch) in the order torch's schedule runs them on `rank`, from the schedule class's own
-    per-rank arithmetic (no stage or process group built): "F", "B" (the inputs' gradients under B and W, or the
-    whole backward), "W", and "BW" a whole backward under B and W (DualPipeV's; its overlapped pairs in order)."""
-    from torch.distributed.pipelining import schedules as S
-    C = S._ComputationType
-    cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV,
-           "interleaved_1f1b": S.ScheduleInterleaved1F1B, "zb1p": S.ScheduleInterleavedZeroBubble}[schedule]
-    order = object.__new__(cls)
-    order.pp_group_size, order.n_local_stages, order._n_microbatches, order.rank = pp, v, m, rank
-    order.num_stages = order._num_stages = pp * v
-    order.number_of_rounds = max(1, m // pp)
-    order.microbatches_per_round = m // order.number_of_rounds
-    split = schedule in SPLIT_BACKWARD
-    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W", C.FULL_BACKWARD: "BW" if split else "B"}
-    out = []
-    for a in order._calculate_single_rank_operations(rank):
-        for b in (a.sub_actions if a is not None and a.computation_type == C.OVERLAP_F_B else (a,)):
-            if b is not None:
-                out.append((kinds[b.computation_type], b.stage_index, b.microbatch_index))
-    return out
 
 
 def run_rank_schedule(pm, inputs: dict, targets, rank: int, m: int, live):

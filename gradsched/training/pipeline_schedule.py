@@ -214,13 +214,28 @@ def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str
 
 
 def _zero_bubble_order(stage: int, pp: int, m: int) -> list[tuple[str, int]]:
-    """ScheduleInterleavedZeroBubble's action list for this stage (one stage a rank), as torch computes it for
-    every rank: only its order, so no stage or process group is built (its private arithmetic, read as is)."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble, _ComputationType as C
-    order = object.__new__(ScheduleInterleavedZeroBubble)
-    order.pp_group_size, order.n_local_stages, order._n_microbatches = pp, 1, m
+    """ScheduleInterleavedZeroBubble's action list for this stage (one stage a rank): only its order."""
+    return [("B" if kind == "BW" else kind, i) for kind, _, i in rank_actions("zb1p", stage, pp, 1, m)]
+
+
+def rank_actions(schedule: str, rank: int, pp: int, v: int, m: int) -> list[tuple[str, int, int]]:
+    """(kind, stage, micro-batch) in the order torch's schedule runs them on `rank`, from the schedule class's own
+    per-rank arithmetic (no stage or process group built): "F", "B" (the inputs' gradients under B and W, or the
+    whole backward), "W", and "BW" a whole backward under B and W (DualPipeV's; its overlapped pairs in order)."""
+    from torch.distributed.pipelining import schedules as S
+    C = S._ComputationType
+    cls = {"zbv": S.ScheduleZBVZeroBubble, "dualpipev": S.ScheduleDualPipeV,
+           "interleaved_1f1b": S.ScheduleInterleaved1F1B, "zb1p": S.ScheduleInterleavedZeroBubble}[schedule]
+    order = object.__new__(cls)
+    order.pp_group_size, order.n_local_stages, order._n_microbatches, order.rank = pp, v, m, rank
+    order.num_stages = order._num_stages = pp * v
     order.number_of_rounds = max(1, m // pp)
     order.microbatches_per_round = m // order.number_of_rounds
-    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.FULL_BACKWARD: "B", C.BACKWARD_WEIGHT: "W"}
-    return [(kinds[a.computation_type], a.microbatch_index)
-            for a in order._calculate_single_rank_operations(stage) if a is not None]
+    split = schedule in SPLIT_BACKWARD
+    kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W", C.FULL_BACKWARD: "BW" if split else "B"}
+    out = []
+    for a in order._calculate_single_rank_operations(rank):
+        for b in (a.sub_actions if a is not None and a.computation_type == C.OVERLAP_F_B else (a,)):
+            if b is not None:
+                out.append((kinds[b.computation_type], b.stage_index, b.microbatch_index))
+    return out
