@@ -215,7 +215,7 @@ def stage_of(split_points: list, name: str) -> int:
     layer = re.search(r"(?:blocks|layers)\.(\d+)\.", name)
     if layer:
         return sum(int(p.rsplit(".", 1)[1]) <= int(layer.group(1)) for p in split_points)
-    return len(split_points) if name.startswith(("ln_f", "lm_head", "model.norm")) else 0
+    return len(split_points) if re.search(r"(^|\.)(ln_f|norm|lm_head)\.", name) else 0  # (a HF model's model.model.norm)
 
 
 def test_in_a_v_a_stages_buckets_reduce_while_the_ranks_other_stage_still_computes(eager_runs, inductor_runs):
