@@ -61,10 +61,11 @@ CASES = {
                                                          microbatches=2),
     # context parallelism
     # the ring's backward as B and W, in a V (two stages a rank) under DualPipeV
-    "pp2_cp2_dualpipev_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4, bucket_mb=0.004),
-    "dp2_cp2_plain_layout_allgather": job(1, 2, 2, load_balance=False, comm="allgather"),
-    "dp2_cp2_accumulate_input": job(1, 2, 2, accumulate="input"),
-    "dp2_cp2_accumulate_fp32_blocks": job(1, 2, 2, accumulate="fp32_blocks"),
+    # (the accumulation modes ride on rows of other options: each row of its own cost the suite ~10 s)
+    "pp2_cp2_dualpipev_fp32_blocks_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4,
+                                            bucket_mb=0.004, accumulate="fp32_blocks"),
+    "dp2_cp2_plain_layout_allgather_accumulate_input": job(1, 2, 2, load_balance=False, comm="allgather",
+                                                           accumulate="input"),
     "dp2_cp2_a2a_clip": job(1, 2, 2, comm="a2a", clip=CLIP),
     # clipping by the global norm (ties counted once, shards summed), and parameter groups; shard_aligned mode,
     # shard=False (plain data parallel)
@@ -175,7 +176,7 @@ def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_run
 
 
 def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collective_sums_them(eager_runs):
-    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_m4"):
+    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_fp32_blocks_m4"):
         v = eager_runs[name]
         assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v), name
         assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
@@ -220,7 +221,7 @@ def stage_of(split_points: list, name: str) -> int:
 
 def test_in_a_v_a_stages_buckets_reduce_while_the_ranks_other_stage_still_computes(eager_runs, inductor_runs):
     runs = {**eager_runs, **inductor_runs}
-    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_m4", "inductor_pp2_dp2_zbv_small_buckets_m4",
+    for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_fp32_blocks_m4", "inductor_pp2_dp2_zbv_small_buckets_m4",
                  "pp2_dp2_zb1p_two_stages_a_rank_m4"):  # (looped: its ties across the ranks wait for the flush)
         for r in runs[name]:
             assert "early0" in r["sync_graph_buckets"], (name, r["sync_graph_buckets"])
