@@ -43,16 +43,16 @@ CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the c
 
 CASES = {
     # layouts: GPipe and 1F1B, micro-batches, pp=1 in the backward graph
-    "pp2_dp2_gpipe_m2": job(2, 2, schedule="gpipe", microbatches=2),
     "pp2_dp2_1f1b_m4_adamw_param_groups": job(2, 2, microbatches=4, optimizer="adamw", param_groups="decay_matrices",
                                               steps=3),
     # two ties between one stage pair, of equal sizes (silent before)
     "pp2_dp2_two_ties_equal_sizes_clip_shard_aligned": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2,
                                                            mode="shard_aligned", clip=CLIP),
-    # placement, both ways round (the second with the rank checks off and its graphs dumped)
+    # placement, both ways round (the second under GPipe, with the rank checks off and its graphs dumped)
     "pp2_dp2_placement_backward_no_tie": job(2, 2, variant="untied", placement="backward", microbatches=2),
-    "pp2_dp2_placement_flush_no_rank_check_dumped": job(2, 2, placement="flush", microbatches=2, check_ranks=False,
-                                                        dump_dir="/tmp/gradsched-matrix-dump"),
+    "pp2_dp2_gpipe_placement_flush_no_rank_check_dumped_m2": job(2, 2, schedule="gpipe", placement="flush",
+                                                                 microbatches=2, check_ranks=False,
+                                                                 dump_dir="/tmp/gradsched-matrix-dump"),
     # average=False: loss_fn is a sum, gradients are summed
     "pp2_dp2_sum_all_reduce_clip_m2": job(2, 2, loss="sum", average=False, shard=False, clip=CLIP, microbatches=2),
     # buckets: many small ones, padded (a vocab of 97; with clipping below), another reduce dtype; pp=1 reduces
