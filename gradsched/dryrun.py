@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
@@ -204,14 +205,13 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=10, help="--fit: plans listed")
     ap.add_argument("--flops", type=float, default=4e14, help="--fit: a rank's FLOP/s, for the ranking")
     ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
+    ap.add_argument("--jobs", type=int, default=min(8, len(os.sched_getaffinity(0))),
+                    help="--fit: probes measured at once, each in a process of its own (one core each)")
     args = ap.parse_args(argv)
     cli_args.check(ap, args)
     if args.fit:
         from gradsched.sizing.fit_run import fit_main
-        dtype = getattr(torch, args.dtype)
-        build = lambda layers, ckpt: (from_config(args.config, dtype, args.tie, ckpt, layers) if args.config  # noqa
-                                      else llama(args.model, dtype, args.tie, ckpt, layers))
-        return fit_main(args, probe, build)
+        return fit_main(args, probe, Cut(args.model, args.config, getattr(torch, args.dtype), args.tie))
     m = args.microbatches or args.pp
     dtype = getattr(torch, args.dtype)
     name, split_points = args.module or args.config or args.model, None
@@ -276,20 +276,45 @@ def main(argv=None) -> int:
     return 0
 
 
-def probe(build, seq: int, device: str, backend: str, **options):
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """build(layers, checkpointing) -> (model on meta, its layers): a built-in Llama (`model`) or a Hugging Face
+    config (`config`) cut to `layers` layers. Plain data: the fit's probes take it to their own processes."""
+    model: str | None
+    config: str | None
+    dtype: torch.dtype
+    tie: bool = False
+
+    def __call__(self, layers, checkpointing):
+        if self.config:
+            return from_config(self.config, self.dtype, self.tie, checkpointing, layers)
+        return llama(self.model, self.dtype, self.tie, checkpointing, layers)
+
+
+@dataclasses.dataclass(frozen=True)
+class Probe:
     """gradsched.sizing.fit's measure: build(layers, checkpointing) -> (model on meta, layers); each call dry-runs
     two stages of `layers` each (micro-batches of `seqs` sequences, one unless said), and returns for both stages
     (saved, the rest of the transient, accumulating, final_backward, stash): what the first forward left alive, the
     most the step held above that, the backwards' peaks above their micro-batches in flight, and under zb1p what
-    a B kept for its W (Role)."""
-    def measure(layers, seqs, cp, checkpointing, shard, microbatches=1, schedule="auto"):
-        roles = dry_run(build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp, batch=seqs * microbatches,
-                        seq=seq, split_points=even_split_points(2 * layers, 2), shard=shard, device=device,
-                        backend=backend, microbatches=microbatches, schedule=schedule, progress=lambda s: None,
-                        **options)
+    a B kept for its W (Role). Plain data (with a `build` that pickles, e.g. Cut): it runs in other processes."""
+    build: object
+    seq: int
+    device: str
+    backend: str
+    options: dict
+
+    def __call__(self, layers, seqs, cp, checkpointing, shard, microbatches=1, schedule="auto"):
+        roles = dry_run(self.build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp,
+                        batch=seqs * microbatches, seq=self.seq, split_points=even_split_points(2 * layers, 2),
+                        shard=shard, device=self.device, backend=self.backend, microbatches=microbatches,
+                        schedule=schedule, progress=lambda s: None, **self.options)
         return [(r.saved, r.transient - r.saved, r.accumulating, r.final_backward, r.stash)
                 for r in (roles[0], roles[-1])]
-    return measure
+
+
+def probe(build, seq: int, device: str, backend: str, **options) -> Probe:
+    return Probe(build, seq, device, backend, options)
 
 
 def _lm_loss(logits, targets):

@@ -292,11 +292,10 @@ def test_several_stages_a_rank_with_sharded_parameters_is_refused_by_name():
 def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     """gradsched.sizing.fit prices a layout from a few probes of one and two layers; the reference is the dry
     run of that layout, every stage built: its worst stage's peak and that stage's state."""
-    from gradsched.dryrun import _lm_loss, even_split_points, probe
-    from gradsched.hf import llama
+    from gradsched.dryrun import Cut, _lm_loss, even_split_points, probe
     from gradsched.sizing import fit, fit_probes
     seq, batch = 1024, 4  # long enough that activations outweigh the small parameters, as in the plans it sizes
-    build = lambda layers, ckpt: llama("llama-tiny", torch.float32, False, ckpt, layers)  # noqa: E731
+    build = Cut("llama-tiny", None, torch.float32)
     model, layers = build(None, False)
     shape = fit.model_shape(model, 4)
     # zb1p at pp 4 holds more on each later stage (B keeps what its W reads, which a checkpointed B recomputes)
@@ -305,8 +304,9 @@ def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     # beyond its pp-2 probes (12 probes). A third, "params" unchecked under 1F1B at pp 2, cost the suite ~45 s more;
     # 1F1B's micro-batches in flight are checked by test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state
     cands = [fit.Candidate(1, 4, 1, True, 1, False), fit.Candidate(4, 1, 1, "params", 4, True, "zb1p")]
+    # two probes at once: each a process of its own (as the command line's --jobs)
     priced = fit_probes.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
-                               progress=lambda s: None)
+                               progress=lambda s: None, jobs=2)
     for p in priced:
         c = p.candidate
         roles = dry_run(build(None, c.checkpointing)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, batch=batch // c.dp,

@@ -8,7 +8,7 @@ import os
 
 from gradsched.sizing.report import parse_bytes
 
-POSITIVE = ("pp", "dp", "cp", "seq", "batch", "microbatches", "gpus", "global_batch", "top")
+POSITIVE = ("pp", "dp", "cp", "seq", "batch", "microbatches", "gpus", "global_batch", "top", "jobs")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -3,7 +3,9 @@ activation terms (gradsched.sizing.fit.End), then every candidate priced (`searc
 why: gradsched.sizing.fit's docstring."""
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import time
 
 from gradsched.sizing.fit import Candidate, End, Fitted, ModelShape, Priced, fit_points, in_flight, price
@@ -18,11 +20,12 @@ POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (layers a stage, sequences) of the 
 
 
 def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_batch: int, memory: int,
-           runtime: int, flops: float, bandwidth: float, progress=print) -> list[Priced]:
+           runtime: int, flops: float, bandwidth: float, progress=print, jobs: int = 1) -> list[Priced]:
     """Every candidate priced (see the module docstring), those that fit first, cheapest first.
     measure(layers, sequences, cp, checkpointing, shard, microbatches=1, schedule="auto") -> ((saved, rest,
     accumulating, final, stash) of the first stage, of the last) of a two-stage dry run with `layers` a stage and
-    micro-batches of `sequences` (see End; gradsched.dryrun.probe).
+    micro-batches of `sequences` (see End; gradsched.dryrun.probe). jobs > 1: the probes run on that many
+    processes at once (`measure_all`; then `measure` must pickle).
 
     Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
     (all four terms); shard=True at one sequence and 1 and 2 layers, without checkpointing: the shard mode
@@ -33,20 +36,63 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
     shifts them as it shifts rest). With zb1p candidates, the same six under zb1p with three micro-batches (End's
     zero_bubble), per checkpointing. About sixteen to twenty-eight dry runs of a few layers per class instead of one of the whole
     model per candidate."""
-    done, t0 = [0], time.perf_counter()
-    measure_one = measure
+    # which probes is a matter of the candidates alone (the arithmetic never branches on a measured value):
+    # listed by a first pass that measures nothing, measured (at once where jobs > 1), then fitted
+    wanted: list[tuple] = []
+    fitted(cands, lambda *a, **k: wanted.append(_key(a, k)) or [(0,) * 5] * 2)
+    got = measure_all(measure, list(dict.fromkeys(wanted)), jobs, progress)
+    fits = fitted(cands, lambda *a, **k: got[_key(a, k)])
+    priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
+    return sorted(priced, key=lambda p: (not p.fits, p.step_s))
 
-    def measure(*args, **kwargs):  # noqa: F811 - counted, for the progress lines
-        done[0] += 1
-        return measure_one(*args, **kwargs)
-    say = lambda text: progress(f"{text} ({done[0]} probes so far, {time.perf_counter() - t0:.0f} s)")  # noqa: E731
+
+def _key(args: tuple, kwargs: dict) -> tuple:
+    """A probe: (layers, sequences, cp, checkpointing, shard, microbatches, schedule)."""
+    return (*args, kwargs.get("microbatches", 1), kwargs.get("schedule", "auto"))
+
+
+def measure_all(measure, keys: list[tuple], jobs: int, progress=print) -> dict:
+    """Each probe's measurement (key -> measure's result), one process each of `jobs` at a time (a probe is one
+    process's dry run on torch's fake process group: nothing is shared between them), or in this process at
+    jobs=1. A progress line a probe."""
+    t0, out = time.perf_counter(), {}
+
+    def done(key, result):
+        out[key] = result
+        layers, seqs, cp, ckpt, shard, m, schedule = key
+        progress(f"fit: probe {len(out)} of {len(keys)} measured ({layers} layer(s) a stage, {seqs} sequence(s), "
+                 f"cp {cp}, shard={shard!r}{', checkpointing' if ckpt else ''}"
+                 f"{f', {m} micro-batches' if m > 1 else ''}{f', {schedule}' if schedule != 'auto' else ''}; "
+                 f"{time.perf_counter() - t0:.0f} s so far)")
+    if jobs <= 1 or len(keys) <= 1:
+        for key in keys:
+            done(key, measure(*key[:5], microbatches=key[5], schedule=key[6]))
+        return out
+    # spawn: a fresh interpreter a worker (a fork of this one would inherit its threads' locks)
+    with concurrent.futures.ProcessPoolExecutor(min(jobs, len(keys)), mp_context=multiprocessing.get_context("spawn"),
+                                                initializer=torch_threads, initargs=(1,)) as pool:
+        # the largest first (layers x sequences x micro-batches): no long probe left to run alone at the end
+        largest = sorted(keys, key=lambda k: -k[0] * k[1] * k[5])
+        futures = {pool.submit(measure, *key[:5], microbatches=key[5], schedule=key[6]): key for key in largest}
+        for f in concurrent.futures.as_completed(futures):
+            done(futures[f], f.result())
+    return out
+
+
+def torch_threads(n: int) -> None:
+    """A probe worker's start: `n` intra-op threads (the workers share the machine's cores)."""
+    import torch
+    torch.set_num_threads(n)
+
+
+def fitted(cands: list[Candidate], measure) -> dict:
+    """(cp > 1, checkpointing, shard) -> (End of the first stage, of the last), from `measure`'s probes."""
     keys = probe_keys(cands)
     base = {}  # (cp > 1, checkpointing) -> (first, last), shard="params"
     for cpc, ckpt in sorted({k[:2] for k in keys} | {(k[0], False) for k in keys}):
         got = [measure(layers, seqs, 2 if cpc else 1, ckpt, "params") for layers, seqs in POINTS]
         base[(cpc, ckpt)] = tuple(End(*(fit_points(*(g[end][part] for g in got)) for part in (0, 1)))
                                   for end in (0, 1))
-        say(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}")
     fits = {}
     for cpc, ckpt, shard in keys:
         if shard == "params":
@@ -57,7 +103,6 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
             fits[(cpc, False, shard)] = tuple(
                 End(*(with_own_parameters(getattr(base[(cpc, False)][e], f), t1[e][i], t2[e][i])
                       for i, f in enumerate(("saved", "rest")))) for e in (0, 1))
-            say(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}")
         if ckpt:
             fits[(cpc, ckpt, shard)] = tuple(
                 End(*(moved_like(getattr(fits[(cpc, False, shard)][e], f), getattr(base[(cpc, False)][e], f),
@@ -77,7 +122,6 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
             fits[key] = tuple(End(f.saved, f.rest, *(shifted(b, plain[e].rest, f.rest)
                                                      for b in backward[(cpc, shard)][e]))
                               for e, f in enumerate(fits[key]))
-        say(f"fit: measured cp{'>1' if cpc else '=1'}, shard={shard!r}, three micro-batches")
     zero_bubble = {}  # (cp > 1, checkpointing, shard) -> per end, (what a B keeps for its W, the peak above)
     for cpc, ckpt, shard in sorted({(c.cp > 1, c.checkpointing, c.shard) for c in cands if c.schedule == "zb1p"},
                                    key=repr):
@@ -101,9 +145,7 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
         fits[(cpc, ckpt, shard)] = tuple(dataclasses.replace(f, stash=zero_bubble[(cpc, ckpt, shard)][e][0],
                                                              zero_bubble=zero_bubble[(cpc, ckpt, shard)][e][1])
                                          for e, f in enumerate(fits[(cpc, ckpt, shard)]))
-        say(f"fit: measured cp{'>1' if cpc else '=1'}, checkpointing={ckpt}, shard={shard!r}, zb1p")
-    priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
-    return sorted(priced, key=lambda p: (not p.fits, p.step_s))
+    return fits
 
 
 def with_own_parameters(base: Fitted, t11: float, t21: float) -> Fitted:

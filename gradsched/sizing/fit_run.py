@@ -31,7 +31,7 @@ def fit_main(args, probe, build) -> int:
                            schedules=fit.SCHEDULES if args.schedule == "auto" else (args.schedule,))
     print(f"fit: {len(cands)} layouts of {args.gpus} ranks, {batch} sequences of {args.seq} tokens a step", flush=True)
     priced = fit_probes.search(shape, cands, measure, args.seq, batch, parse_bytes(args.fit), RUNTIME[backend], args.flops,
-                        args.bandwidth, progress=lambda s: print(s, flush=True))
+                               args.bandwidth, progress=lambda s: print(s, flush=True), jobs=args.jobs)
     ok = [p for p in priced if p.fits]
     print(f"fit: {len(ok)} of {len(priced)} fit {args.fit} by the estimate ({time.perf_counter() - t0:.0f} s); ranked by "
           "estimated step time = compute / (1 - bubble) + bytes / bandwidth. An estimate from probes of 1 and 2 layers "
