@@ -29,6 +29,11 @@ schedule and its input, the bucket's whole gradients, is freed before bucket k+1
 of a stage's whole gradients were alive at once). The backward keeps computing while one bucket
 is reduced, as FSDP2 does.
 
+With spread_nonfinite (shard=True; the runtime's choice, gradsched.sync.sync_plan): a bucket holding a non-finite
+element goes NaN throughout before its reduce-scatter, so every rank's shard of it is NaN: each rank's own shards
+tell whether any rank's gradients went non-finite (a sum of finite values that overflows shows on one shard
+only: the runtime does not ask for it with fp16 buckets).
+
 After the pass: synced gradients' outputs are None (shard=True) or views of
 the all-reduced bucket (shard=False); one extra output per bucket, appended,
 holds its reduced shard (or full bucket). With `accumulate`, one input per
@@ -70,6 +75,9 @@ class SyncSpec:
     # one reduce-scatter in flight (each bucket's reads the previous one's shard): False for a graph whose
     # reductions are waited for outside it (passes/defer_waits.py), which must not wait between buckets
     chain: bool = True
+    # a bucket with a non-finite element goes NaN throughout before its reduction (`_spread_nonfinite`): every
+    # rank's reduced shard then says whether any rank's gradients went non-finite
+    spread_nonfinite: bool = False
 
 
 @dataclass
@@ -188,9 +196,20 @@ def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, 
         flat = b.call(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
     if spec.average and spec.group_size > 1:
         flat = b.call(aten.mul.Tensor, flat, 1.0 / spec.group_size)
+    if spec.spread_nonfinite:
+        flat = _spread_nonfinite(b, flat)
     if previous is not None:  # one reduction in flight: the previous bucket's whole gradients are freed first
         flat = b.after(flat, previous)
     return b.collective(kind, flat, spec.group, spec.group_size, dp_tag)
+
+
+def _spread_nonfinite(b: GraphBuilder, flat: fx.Node) -> fx.Node:
+    """flat x (1 + 0 x max(flat) + 0 x min(flat)): `flat` bit for bit while every element is finite (x 1), else NaN
+    throughout (NaN and inf survive max or min, and 0 x either is NaN; 0 x a finite extreme is 0, never an overflow).
+    Reduce-scattered, every shard of the bucket then holds a NaN where any rank's bucket held a non-finite element."""
+    extremes = [b.call(aten.mul.Tensor, b.call(op, flat), 0.0) for op in (aten.amax.default, aten.amin.default)]
+    one = b.call(aten.add.Tensor, b.call(aten.add.Tensor, *extremes), 1.0)
+    return b.call(aten.mul.Tensor, flat, one)
 
 
 def _tie_reduce_owned_shard(b: GraphBuilder, spec: SyncSpec, s, out: fx.Node) -> fx.Node:

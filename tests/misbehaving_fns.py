@@ -141,8 +141,8 @@ def loss_with_nan_gradient_where_first_target_unlabelled(logits, targets):
 
 def _nan_in_one_ranks_gradients(rank, shard) -> dict:
     """pp1 x dp2: at step 2 rank 1's gradients go NaN, its loss finite. Returns the error each rank says and
-    whether the step's row gather was issued before the last backward (shard=False: each rank's reduced gradients
-    are every rank's, so no rank needs another's flag)."""
+    whether the step's row gather was issued before the last backward (each rank's reduced-gradient flag is every
+    rank's, so no rank needs another's: nonfinite.reduced_alike)."""
     torch._dynamo.reset()
     job = Job(pp=1, dp=2, steps=3, options={"compiler": "eager", "shard": shard, "microbatches": 2, "fault_timeout_s": 30.0})
     model, _ = build_model(job)

@@ -277,3 +277,26 @@ def test_an_ordering_dependence_leaves_its_value_bit_for_bit_whatever_the_node_i
     got = gm(xs, torch.tensor([first, 2.0, 3.0]))
     assert got.dtype == dtype and torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
                                               xs.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("-inf"), float("nan")])
+def test_a_non_finite_element_spreads_over_its_whole_bucket_before_the_reduce_scatter_and_a_finite_one_is_unchanged(bad):
+    """spread_nonfinite: what the reduce-scatter reads is the bucket bit for bit, or NaN throughout when one element
+    is not finite, so every rank's shard of it is NaN (each rank's own shards then flag any rank's gradients)."""
+    gm = grads_graph({"a": (6,), "b": (4,)})
+    layout = plan_buckets(grad_ready_order(gm, {0: "a", 1: "b"}), bucket_mb=1.0, shards=2)
+    insert_grad_sync(gm, SyncSpec(layout, {"a": 0, "b": 1}, group="dp", group_size=2, shard_rank=0, average=False,
+                                  spread_nonfinite=True))
+    [rs] = [n for n in gm.graph.nodes if is_collective(n)]
+    gm.graph.output_node().args = (rs.args[0],)  # what the reduce-scatter reads
+    gm.graph.eliminate_dead_code(is_impure_node=lambda n: n.op == "output")  # the collectives too: unread now
+    gm.recompile()
+    a = torch.tensor([1.0, -0.0, 3e38, -3e38, 1e-40, 2.5])  # finite extremes: 0 x each is 0, no overflow
+    b = torch.tensor([0.0, -7.0, 4.0, 1e-30])
+    if bad is not None:
+        b[2] = bad  # in the second half of the bucket: the other rank's shard
+    got = gm(a, b)
+    if bad is None:
+        assert torch.equal(got.view(torch.int32), torch.cat([a, b]).view(torch.int32))
+    else:
+        assert torch.isnan(got).all()

@@ -93,11 +93,12 @@ def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skippe
 
 @pytest.mark.parametrize("shard", [False, True])
 def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(pipeline_runs, shard):
-    """shard=False gathers the step's row before the last backward and adds each rank's own reduced-gradient flag
-    (all-reduced: the same on every rank); shard=True gathers it after the reduce-scatter."""
+    """Both gather the step's row before the last backward and add each rank's own reduced-gradient flag: the same on
+    every rank (shard=False: all-reduced buckets; shard=True: a bucket with a non-finite element goes NaN throughout
+    before its reduce-scatter, so every rank's shard of it is NaN)."""
     for r in pipeline_runs:
         run = r[f"grads shard={shard}"]
-        assert run["early"] is (not shard)
+        assert run["early"]
         assert run["error"] is not None and run["error"].startswith("NonFiniteError: step 2 (of this run): "), run
         assert "its reduced gradients" in run["error"], run["error"]
 

@@ -5,8 +5,8 @@ its stage's forward output (what it sends on), its loss, its stage's input gradi
 and, at the step's end, its reduced gradients. One all-gather over every rank of the plan carries every
 rank's row of SLOTS numbers at the step's end (ParallelModel.train_step's; clip_grad_norm_ puts its partial
 norm in front when none ran); where every rank's reduced gradients are alike (`reduced_alike`: pp 1,
-shard=False) it is issued before the last backward instead, and each rank's own reduced-gradient marker is
-every rank's. The last stage's ranks add their loss's labelled count and share to their rows
+shard=False; or sharded buckets that spread a non-finite element before the reduction) it is issued before the
+last backward instead, and each rank's own reduced-gradient marker is every rank's. The last stage's ranks add their loss's labelled count and share to their rows
 (a non-finite share is a non-finite loss: no flag of its own is set), so the step's loss and the global count
 need no collective of their own (gradsched.training.loss_weights). A flag is NaN where set, so the sum of every
 row, the step's loss (and the own marker, `reduced_alike`) is finite exactly when nothing went non-finite: one
@@ -158,11 +158,16 @@ def agree_step(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "th
 
 
 def reduced_alike(sync) -> bool:
-    """Every rank of the plan ends the step with the same reduced gradients: whole buckets all-reduced
-    (shard=False) over a gradient group that is every rank (pp 1). An all-reduce leaves the same values on every
-    rank (gloo's and NCCL's reduce each element once and pass it on; DDP's replicas rely on it too), so each
-    rank's own reduced-gradient flag is every rank's: the row needs no reduced gradient to be gathered."""
-    return not sync.options.shard and set(sync.setup.grad_group.ranks) == set(sync.setup.all_ranks.ranks)
+    """Every rank of the plan ends the step with reduced gradients that are finite alike, so each rank's own
+    reduced-gradient flag is every rank's and the row needs no reduced gradient to be gathered. Over a gradient
+    group that is every rank (pp 1): whole buckets all-reduced (shard=False: an all-reduce leaves the same values on
+    every rank; gloo's and NCCL's reduce each element once and pass it on, and DDP's replicas rely on it too), or
+    sharded buckets that spread a non-finite element over the whole bucket before the reduction
+    (SyncPlan.spread_nonfinite: every rank's shard of it is NaN; known once the backward graph is built)."""
+    if set(sync.setup.grad_group.ranks) != set(sync.setup.all_ranks.ranks):
+        return False
+    plan = sync.sync_plan
+    return not sync.options.shard or (plan is not None and plan.spread_nonfinite)
 
 
 @dataclass

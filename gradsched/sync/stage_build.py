@@ -103,7 +103,8 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
                      grad_group=setup.grad_group, tie_groups=setup.tie_groups,
                      ties={n: t.key for n, t in setup.ties.items()},
                      param_dtypes={n: p.dtype for n, p in params.items()},
-                     layout=shards.layout if shards is not None else None)
+                     layout=shards.layout if shards is not None else None,
+                     every_rank=set(setup.grad_group.ranks) == set(setup.all_ranks.ranks))
     graphs = {}
     if "backward" in plan.graphs:
         graphs["backward"] = _backward_graph(bw_gm, example_inputs, plan, params, options, split)

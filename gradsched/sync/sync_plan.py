@@ -45,6 +45,9 @@ class SyncPlan:
     average: bool
     gather_dtypes: tuple[torch.dtype, ...]  # per bucket: the dtype its parameters are all-gathered in
     params_sharded: bool = False  # shard="params": the parameters live as shards of their buckets
+    # sharded, over every rank of the plan, no fp16 bucket: a non-finite local gradient spreads over its bucket
+    # before the reduction (passes/grad_sync.py), so each rank's own shards flag any rank's (nonfinite.reduced_alike)
+    spread_nonfinite: bool = False
 
     def spec(self, where: str, grad_outputs: dict[str, int], accumulate: bool) -> SyncSpec:
         """The grad-sync pass's input for graph `where` (an early graph's reductions are waited for outside it,
@@ -53,7 +56,7 @@ class SyncPlan:
                         group_size=len(self.grad_group.ranks), shard_rank=self.grad_group.index,
                         tie_groups={k: g.name for k, g in self.tie_groups.items()}, mode=self.mode,
                         shard=self.shard, average=self.average, accumulate=accumulate,
-                        chain=not where.startswith("early"))
+                        chain=not where.startswith("early"), spread_nonfinite=self.spread_nonfinite)
 
     def names(self, where: str) -> set[str]:
         return {s.name for b in self.graphs[where].buckets for s in b.slots}
@@ -70,7 +73,8 @@ class SyncPlan:
                 "tie_groups": {k: list(g.ranks) for k, g in sorted(self.tie_groups.items())},
                 "buckets": self.layout.describe(),
                 "graphs": {w: [b.index for b in part.buckets] for w, part in sorted(self.graphs.items())},
-                "gather_dtypes": [str(d) for d in self.gather_dtypes], "params_sharded": self.params_sharded}
+                "gather_dtypes": [str(d) for d in self.gather_dtypes], "params_sharded": self.params_sharded,
+                "spread_nonfinite": self.spread_nonfinite}
 
     def fingerprint(self) -> str:
         """Short hash of the plan: equal on two ranks exactly when they plan the same collectives."""
@@ -86,15 +90,20 @@ def gather_dtype(dtypes) -> torch.dtype:
 
 def plan_sync(ready: list[GradSpec], options: SyncOptions, *, stage: int, rank: int, placement: str,
               grad_group: Group, tie_groups: dict[str, Group], ties: dict[str, str],
-              param_dtypes: dict[str, torch.dtype], layout: BucketLayout | None = None) -> SyncPlan:
+              param_dtypes: dict[str, torch.dtype], layout: BucketLayout | None = None,
+              every_rank: bool = False) -> SyncPlan:
     """The stage's plan: buckets in ready order (tied gradients alone, except in unsafe_rs_first,
     where #844's layout is the point), and which graph reduces each. `layout`: the one the
-    parameters already live in (shard="params": laid out at the forward's compile)."""
+    parameters already live in (shard="params": laid out at the forward's compile). `every_rank`: the gradient
+    group is every rank of the plan (pp 1), where sharded buckets spread a non-finite element (`spread_nonfinite`):
+    the step's one gather of flags then goes out before the last backward (gradsched.sync.nonfinite)."""
     layout = layout or plan_layout(ready, options, len(grad_group.ranks), ties)
     gather = tuple(gather_dtype(param_dtypes[s.name] for s in b.slots) for b in layout.buckets)
+    # not with fp16 buckets: a sum of finite fp16 gradients overflows, on the shard holding it alone
+    spread = bool(options.shard) and every_rank and all(b.dtype != torch.float16 for b in layout.buckets)
     return SyncPlan(stage, rank, tuple(ready), layout, place_buckets(layout, placement), grad_group,
                     dict(tie_groups), dict(ties), placement, options.mode, bool(options.shard), options.average, gather,
-                    options.shard == "params")
+                    options.shard == "params", spread)
 
 
 def plan_layout(ready: list[GradSpec], options: SyncOptions, shards: int, ties: dict[str, str]) -> BucketLayout:

@@ -73,7 +73,8 @@ class GlobalLoss:
 
     def issue(self, sync, losses: list) -> nonfinite.Issued | None:
         """pp 1, after the last micro-batch's forward (`losses`: every micro-batch's): where every rank's reduced
-        gradients will be alike (nonfinite.reduced_alike: shard=False), the step's gather issued now, to hide
+        gradients will be finite alike (nonfinite.reduced_alike: shard=False, or sharded buckets that spread a
+        non-finite element), the step's gather issued now, to hide
         behind the last backward; `end` waits for it. None otherwise (`end` gathers)."""
         if not nonfinite.reduced_alike(sync):
             return None
