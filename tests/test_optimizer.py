@@ -24,3 +24,17 @@ def test_decay_free_parameters_are_exactly_untouched_by_weight_decay_and_matrice
 def test_an_optimizer_that_is_not_elementwise_is_refused_on_shards():
     [message] = run_ranks(non_elementwise_optimizer, 1)
     assert message.startswith("TypeError: Adafactor is not an elementwise optimizer") and "shard=False" in message
+
+
+def test_gradients_count_as_inside_the_buckets_only_when_each_is_a_view_of_one_in_its_dtype():
+    """GradSync.reduced_storage scales the buckets in place of the gradients only where that scales every one."""
+    import torch
+
+    from gradsched.sync.owners import all_inside
+    one, two = torch.zeros(10), torch.zeros(6)
+    views = [one[:4], one[4:10].view(2, 3), two[2:5]]
+    assert all_inside(views, [two, one])
+    assert not all_inside(views + [one[:4].clone()], [one, two])  # a copy: scaling the bucket misses it
+    assert not all_inside([one.view(torch.int32)[:2]], [one])  # another dtype over the same memory
+    assert not all_inside([torch.zeros(20)[8:12]], [one])  # elsewhere
+    assert not all_inside([one[::2]], [one])  # strided: refused (a bucket hands out contiguous slices)

@@ -2,6 +2,7 @@
 parameters whose gradient exists only as a GradSync's shards."""
 from __future__ import annotations
 
+import bisect
 import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -55,9 +56,18 @@ def sync_of(params) -> "GradSync | None":  # gradsched.sync.runtime's
     return next(iter(found.values()), None)
 
 
-def lies_inside(g: torch.Tensor, bucket: torch.Tensor) -> bool:
-    """Every element of `g` lies in `bucket`'s memory, of the same dtype: scaling the bucket scales `g`."""
-    if g.dtype != bucket.dtype or g.untyped_storage().data_ptr() != bucket.untyped_storage().data_ptr():
-        return False
-    start, end = bucket.data_ptr(), bucket.data_ptr() + bucket.numel() * bucket.element_size()
-    return g.is_contiguous() and start <= g.data_ptr() and g.data_ptr() + g.numel() * g.element_size() <= end
+def all_inside(grads: list, buckets: list) -> bool:
+    """Every element of every tensor of `grads` lies in the memory of one of `buckets`, of its dtype and device:
+    scaling the buckets scales them. By address alone: two live storages never share an address range on one device,
+    so a range inside a bucket's is of its storage (a few calls a tensor: this runs every step, shard=False)."""
+    spans = sorted((b.data_ptr(), b.data_ptr() + b.numel() * b.element_size(), b.dtype, b.device) for b in buckets)
+    starts = [s[0] for s in spans]
+    for g in grads:
+        ptr = g.data_ptr()
+        i = bisect.bisect_right(starts, ptr) - 1
+        if i < 0 or not g.is_contiguous():
+            return False
+        start, end, dtype, device = spans[i]
+        if g.dtype != dtype or g.device != device or ptr + g.numel() * g.element_size() > end:
+            return False
+    return True

@@ -41,7 +41,7 @@ from gradsched.sync.stage_build import (BuiltStage, SplitFns, StagePart, SyncGra
 from gradsched.sync.stage_setup import StageSetup, process_group
 from gradsched.sync.early_reduce import EarlyReductions
 from gradsched.sync.nonfinite import StepFlags
-from gradsched.sync.owners import attach, lies_inside, mark_sharded
+from gradsched.sync.owners import all_inside, attach, mark_sharded
 from gradsched.sync.watchdog import JOURNAL
 
 
@@ -323,7 +323,7 @@ class GradSync:
         if self.built.plan.shard:
             return buckets
         grads = self.gradients()
-        return buckets if all(any(lies_inside(g, b) for b in buckets) for g in grads) else grads
+        return buckets if all_inside(grads, buckets) else grads
 
     def gradients(self) -> list[torch.Tensor]:
         """The tensors holding this step's reduced gradients, each element once: the reduced shards (shard=True or
