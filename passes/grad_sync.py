@@ -40,6 +40,9 @@ holds its reduced shard (or full bucket). With `accumulate`, one input per
 synced gradient is appended (gradients of earlier micro-batches), added
 before any collective.
 
+A gradient group of one rank issues no reduction: each bucket's result is the bucket (not under
+unsafe_rs_first, whose hazard is the reduce-scatter's).
+
 Order (every rank of a group issues the same collectives in the same order, matched
 by identity): data-parallel reductions in bucket order (one layout per stage); tie
 all-reduces in tie-key order on every member, whatever order the gradients become
@@ -194,6 +197,10 @@ def _reduce_bucket(b: GraphBuilder, spec: SyncSpec, bucket: Bucket, grads, acc, 
     pad = bucket.numel - (bucket.slots[-1].offset + bucket.slots[-1].numel)
     if pad:  # constant_pad_nd: an op Inductor lowers after decomposition (aten.zeros is not)
         flat = b.call(aten.constant_pad_nd.default, flat, [0, pad], 0.0)
+    if spec.group_size == 1 and spec.mode != "unsafe_rs_first":
+        # a gradient group of one rank (dp = cp = 1): the bucket is its own reduction, sent nowhere; a collective
+        # would only copy it (gloo's reduce-scatter: twice) in the step's tail, where the pipeline waits
+        return flat
     if spec.average and spec.group_size > 1:
         flat = b.call(aten.mul.Tensor, flat, 1.0 / spec.group_size)
     if spec.spread_nonfinite:
