@@ -129,6 +129,7 @@ def pipeline_misbehaviour(rank, world):
             out[name] = f"{type(e).__name__}: {e}"
     for shard in (False, True):  # then pp1 x dp2 on the same processes
         out[f"grads shard={shard}"] = _nan_in_one_ranks_gradients(rank, shard)
+    out["grads shard=True fp16"] = _nan_in_one_ranks_gradients(rank, True, torch.float16)
     return out
 
 
@@ -139,12 +140,13 @@ def loss_with_nan_gradient_where_first_target_unlabelled(logits, targets):
     return lm_loss(logits, targets) + 0 * zero.sqrt()
 
 
-def _nan_in_one_ranks_gradients(rank, shard) -> dict:
+def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None) -> dict:
     """pp1 x dp2: at step 2 rank 1's gradients go NaN, its loss finite. Returns the error each rank says and
     whether the step's row gather was issued before the last backward (each rank's reduced-gradient flag is every
     rank's, so no rank needs another's: nonfinite.reduced_alike)."""
     torch._dynamo.reset()
-    job = Job(pp=1, dp=2, steps=3, options={"compiler": "eager", "shard": shard, "microbatches": 2, "fault_timeout_s": 30.0})
+    job = Job(pp=1, dp=2, steps=3, options={"compiler": "eager", "shard": shard, "microbatches": 2, "fault_timeout_s": 30.0,
+                                            **({"reduce_dtype": reduce_dtype} if reduce_dtype else {})})
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2),
                                   loss_fn=loss_with_nan_gradient_where_first_target_unlabelled, **job.options)

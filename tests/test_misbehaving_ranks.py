@@ -91,14 +91,15 @@ def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skippe
     assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
 
 
-@pytest.mark.parametrize("shard", [False, True])
-def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(pipeline_runs, shard):
-    """Both gather the step's row before the last backward and add each rank's own reduced-gradient flag: the same on
-    every rank (shard=False: all-reduced buckets; shard=True: a bucket with a non-finite element goes NaN throughout
-    before its reduce-scatter, so every rank's shard of it is NaN)."""
+@pytest.mark.parametrize("shard, early", [("False", True), ("True", True), ("True fp16", False)])
+def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(pipeline_runs, shard, early):
+    """shard=False and shard=True gather the step's row before the last backward and add each rank's own
+    reduced-gradient flag: the same on every rank (all-reduced buckets; or a bucket with a non-finite element made
+    NaN throughout before its reduce-scatter, so every rank's shard of it is NaN). fp16 buckets, whose finite sums
+    can overflow on one shard alone, gather the flags of every rank's shards after the reduction."""
     for r in pipeline_runs:
         run = r[f"grads shard={shard}"]
-        assert run["early"]
+        assert run["early"] is early
         assert run["error"] is not None and run["error"].startswith("NonFiniteError: step 2 (of this run): "), run
         assert "its reduced gradients" in run["error"], run["error"]
 
