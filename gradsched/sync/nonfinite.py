@@ -132,10 +132,10 @@ def marker_of(grads: list, device) -> torch.Tensor:
 
 
 def _finite_iff_elements_are(g: torch.Tensor) -> tuple:
-    """float64 values, all finite exactly when every element of `g` is."""
-    if g.dtype == torch.float64:  # a sum of finite float64 values can overflow: its extremes cannot
-        return tuple(torch.aminmax(g))
-    return (g.sum(dtype=torch.float64),)  # NaN and inf propagate; narrower floats cannot overflow a float64 sum
+    """float64 values, all finite exactly when every element of `g` is: its smallest and largest element (NaN
+    propagates through min and max, and neither can overflow, in any dtype). One vectorised pass: a float64 sum of
+    15M float32 gradients took 86 ms on a CPU core, their aminmax 4.2 (a pipeline stage's step tail, every step)."""
+    return tuple(v.to(torch.float64) for v in torch.aminmax(g))
 
 
 def agree(sync, prefix: torch.Tensor, op=dist.ReduceOp.SUM, what: str = "the step's non-finite flags",
