@@ -300,3 +300,16 @@ def test_a_non_finite_element_spreads_over_its_whole_bucket_before_the_reduce_sc
         assert torch.equal(got.view(torch.int32), torch.cat([a, b]).view(torch.int32))
     else:
         assert torch.isnan(got).all()
+
+
+@pytest.mark.parametrize("shard", [True, False])
+def test_a_gradient_group_of_one_rank_issues_no_reduction_and_its_result_is_the_bucket(shard):
+    gm = grads_graph({"a": (6,), "b": (4,)})
+    layout = plan_buckets(grad_ready_order(gm, {0: "a", 1: "b"}), bucket_mb=1.0, shards=1)
+    insert_grad_sync(gm, SyncSpec(layout, {"a": 0, "b": 1}, group="dp", group_size=1, shard_rank=0, shard=shard))
+    assert not [n for n in gm.graph.nodes if is_collective(n)]
+    a, b = torch.randn(6), torch.randn(4)
+    out = gm(a, b)
+    assert torch.equal(out[-1], torch.cat([a, b]))  # the bucket itself, unscaled (a group of one averages nothing)
+    if not shard:  # each gradient handed back as its view of the bucket
+        assert torch.equal(out[0], a) and torch.equal(out[1], b)
