@@ -9,7 +9,7 @@ TORCH := torch==2.13.0
 
 .PHONY: demo test gpu-test bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)" numpy -e ".[test]"

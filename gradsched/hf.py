@@ -246,11 +246,27 @@ MODELS = {"hf_gpt2": tiny_gpt2, "hf_llama": tiny_llama, "hf_mistral": tiny_mistr
           "hf_gemma3": tiny_gemma3, "hf_gemma": tiny_gemma, "hf_llama_documents": tiny_llama_documents}
 
 
+HF_EXTRA = "pip install 'gradsched[hf]'"  # transformers is not among gradsched's own dependencies
+
+
+def require_transformers(what: str) -> None:
+    """Refuse in one line, saying what to install, when transformers is missing (an installed gradsched
+    depends on torch and networkx only)."""
+    try:
+        import transformers  # noqa: F401
+    except ModuleNotFoundError as e:
+        if e.name != "transformers":
+            raise
+        raise ModuleNotFoundError(f"{what} needs Hugging Face transformers (5.23 or 5.24), which is not installed: "
+                                  f"{HF_EXTRA}", name="transformers") from None
+
+
 def meta_causal_lm(config, dtype: torch.dtype, checkpointing: bool = False, layers: int | None = None
                    ) -> tuple[CausalLM, int]:
     """(a causal LM of this transformers config on the meta device: shapes, no values, behind CausalLM; its
     number of layers), for the dry run. Any *ForCausalLM that transformers builds from the config with SDPA.
     `layers`: cut to that many decoder layers (the dry run's --fit measures a few)."""
+    require_transformers("a Hugging Face model")
     from transformers import AutoModelForCausalLM
     config._attn_implementation = "sdpa"
     if layers is not None:
@@ -277,6 +293,7 @@ LLAMA = {
 
 def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False, layers: int | None = None):
     """(model on the meta device, its number of layers) of a built-in Llama config."""
+    require_transformers(f"the built-in model {name}")
     from transformers import LlamaConfig
     vocab, hidden, inter, n_layers, heads, kv = LLAMA[name]
     c = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=n_layers,
@@ -288,6 +305,7 @@ def llama(name: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool 
 def from_config(path: str, dtype: torch.dtype, tie: bool = False, checkpointing: bool = False,
                 layers: int | None = None):
     """(model on meta, its number of layers) from a Hugging Face config.json, or a directory holding one."""
+    require_transformers(f"the config {path}")
     from transformers import AutoConfig
     c = AutoConfig.from_pretrained(path)
     if tie:

@@ -65,9 +65,12 @@ def rank0() -> bool:
 
 def build_model(spec: str, seed: int):
     """(gradsched.hf.CausalLM, its number of decoder layers) from a built-in name, a config JSON or a directory."""
+    from gradsched.hf import CausalLM, require_transformers
+    try:
+        require_transformers(f"--model {spec}")
+    except ModuleNotFoundError as e:
+        raise Mistake(str(e)) from None
     import transformers
-
-    from gradsched.hf import CausalLM
     torch.manual_seed(seed)
     path = Path(spec)
     if spec in BUILTIN:
