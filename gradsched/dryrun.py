@@ -103,13 +103,14 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
     from gradsched.parallel import ParallelModel
     from gradsched.plan import ParallelPlan
     from gradsched.training.optimizer import DistributedOptimizer
-    world = pp * dp * cp
+    sizes = ParallelPlan(pp=pp, dp=dp, cp=cp)  # the layout alone: the rank arithmetic, no groups
+    world = sizes.world
     roles, built, sent, pipe = [], [], [], None
     try:
         for stage in range(pp):  # a pipeline rank: its stage, or its stages (several a rank)
             t0 = time.perf_counter()
             torch._dynamo.reset()  # each role compiles its own graphs, as its process would
-            rank = (stage * dp) * cp  # dp 0, cp 0 of the stage
+            rank = sizes.rank_of(stage, 0, 0)  # dp 0, cp 0 of the stage
             fake_world(rank, world)
             plan = ParallelPlan.from_world(pp=pp, dp=dp, cp=cp)
             pm = ParallelModel(model, plan, loss_fn, split_points=split_points, **options)
@@ -120,9 +121,10 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
                 if pipe is None:
                     pipe = pm.split(chunks[0])
                     sent = stage_outputs(pipe[0], chunks, pm.num_stages) if several else sent
-                pm.build_stage(*pipe)
+                pm.compile_split(pipe)
             opt = DistributedOptimizer(pm, optimizer, **(optimizer_kwargs or {"lr": 1e-4}))
-            role = Role(stage, f"{rank}-{rank + dp * cp - 1}" if dp * cp > 1 else str(rank))
+            n = sizes.stage_replicas
+            role = Role(stage, f"{rank}-{rank + n - 1}" if n > 1 else str(rank))
             local = list(pm.local) if several else [stage]
             last = pm.num_stages - 1 if several else pp - 1
             inputs = {s: chunks if s == 0 else [stage_args(pipe[0], s, sent, i) for i in range(m)] for s in local}

@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
+DIMENSIONS = ("pp", "dp", "cp")  # in coords' order: pipeline slowest, context fastest
+
+
 class PlanError(ValueError):
     """A plan that cannot be laid over the processes at hand."""
 
@@ -76,6 +79,20 @@ class ParallelPlan:
 
     def rank_of(self, pp_idx: int, dp_idx: int, cp_idx: int = 0) -> int:
         return (pp_idx * self.dp + dp_idx) * self.cp + cp_idx
+
+    def index(self, kind: str, rank: int | None = None) -> int:
+        """A plan rank's coordinate along one dimension ("pp", "dp" or "cp"): code that needs one asks by name, so
+        a new dimension changes the layout here only."""
+        return self.coords(rank)[DIMENSIONS.index(kind)]
+
+    @property
+    def stage_replicas(self) -> int:
+        """How many ranks hold each pipeline stage (the gradient group's size)."""
+        return self.dp * self.cp
+
+    def first_replica(self, rank: int | None = None) -> int:
+        """The plan rank holding the first replica of `rank`'s stage (its values are every replica's)."""
+        return self.rank_of(self.index("pp", rank), 0, 0)
 
     def global_rank(self, plan_rank: int) -> int:
         return plan_rank if self.group is None else dist.get_global_rank(self.group, plan_rank)

@@ -321,11 +321,11 @@ def train(args) -> int:
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
     start = gradsched.load(resume_from, model, opt)["data_position"] if resume_from else 0
-    _, dp_idx, cp_idx = plan.coords()
-    reporter = model.num_stages - 1 in model.local and dp_idx == 0 and cp_idx == 0  # the loss's rank (zbv: 0)
+    # the loss's rank (zbv: pipeline rank 0): the last stage's first replica
+    reporter = model.num_stages - 1 in model.local and plan.rank == plan.first_replica()
     progress = Progress(args.steps, args.log_every) if reporter else None
     metrics = open_metrics(args.metrics, start) if reporter and args.metrics else None
-    per = args.batch // plan.dp
+    per, dp_idx = args.batch // plan.dp, plan.index("dp")
     if reporter:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
               f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "

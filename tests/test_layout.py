@@ -118,3 +118,21 @@ def test_the_readme_tree_is_the_package():
     listed = readme_tree()
     assert not files - listed, f"modules docs/design.md's tree does not show: {sorted(files - listed)}"
     assert not listed - files, f"docs/design.md's tree shows files that do not exist: {sorted(listed - files)}"
+
+
+def test_the_parallel_model_is_thin_and_its_parts_small():
+    parallel = len((ROOT / "gradsched" / "parallel.py").read_text().splitlines())
+    assert parallel < 150, f"gradsched/parallel.py: {parallel} lines; its jobs belong in training/'s modules"
+    parts = ["pipeline_build", "step_driver", "model_state", "stage_values"]
+    long = {p: n for p in parts
+            if (n := len((ROOT / "gradsched" / "training" / f"{p}.py").read_text().splitlines())) > 300}
+    assert not long, long
+
+
+def test_training_sees_a_parallel_model_only_through_its_model_state():
+    # duck-typing a ParallelModel's attributes hides the interface: ask gradsched.training.model_state instead
+    probes = ('getattr(type(model)', 'hasattr(model, "grad_sync")', 'getattr(model, "options"')
+    found = [f"{name}: {probe}" for name, path in modules().items()
+             if name.startswith(("gradsched.training", "gradsched.sync")) for probe in probes
+             if probe in path.read_text()]
+    assert not found, found

@@ -206,7 +206,7 @@ def model_inputs(plan, load_balance, inputs, targets, positions=None, attention_
     args = tuple(t for t in (inputs, positions, attention_mask) if t is not None)
     if plan.cp == 1:
         return args, targets
-    cp, (_, _, r), lb = plan.cp, plan.coords(), load_balance
+    cp, r, lb = plan.cp, plan.index("cp"), load_balance
     if lb == "documents":
         if attention_mask is None:
             attention_mask = torch.ones(inputs.shape[:2], dtype=torch.long, device=inputs.device)

@@ -44,7 +44,7 @@ def agree_stage_boundaries(stage_modules: dict[int, fx.GraphModule], plan: Paral
     stage was built to receive."""
     if plan.pp == 1 or not dist.is_initialized():
         return
-    _, d, c = plan.coords()
+    d, c = plan.index("dp"), plan.index("cp")
     mine = [(plan.rank, (s, d, c), stage_boundary(m)) for s, m in stage_modules.items()]
     every = [None] * plan.world
     with JOURNAL.entry("every pipeline stage's input and output shapes, agreed before the first send",

@@ -39,14 +39,6 @@ def attach(sync, params) -> None:
         p._gradsched_sync = sync
 
 
-def find_sync(model) -> "GradSync | None":  # gradsched.sync.runtime's
-    """The GradSync of a gradsched.parallelize model (None before its first step), or of a model
-    compiled with backend="gradsched", found from its parameters."""
-    if hasattr(model, "grad_sync"):
-        return model.grad_sync
-    return sync_of(model.parameters())
-
-
 def sync_of(params) -> "GradSync | None":  # gradsched.sync.runtime's
     """The GradSync that reduces these parameters' gradients, if a gradsched backend compiled them."""
     found = {id(s): s for s in (getattr(p, "_gradsched_sync", None) for p in params) if s is not None}

@@ -56,7 +56,7 @@ def named_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
 
 def make_tensors_equal(named: list[tuple[str, str, torch.Tensor]], plan) -> None:
     """make_replicas_equal on (kind, name, tensor) triples (the backend by name sees a graph's inputs, no module)."""
-    if not dist.is_initialized() or plan.dp * plan.cp == 1:
+    if not dist.is_initialized() or plan.stage_replicas == 1:
         return
     entries = describe(named)
     world_group = plan.group or dist.group.WORLD
@@ -67,7 +67,7 @@ def make_tensors_equal(named: list[tuple[str, str, torch.Tensor]], plan) -> None
                        "collective", world_group, "all_gather", plan.world, torch.int64):
         all_gather(digests, torch.tensor([mine], dtype=torch.int64, device=device), world_group)
     found = digests.tolist()
-    firsts = {r: _first_replica(plan, r) for r in range(plan.world)}
+    firsts = {r: plan.first_replica(r) for r in range(plan.world)}
     if any(found[r] != found[firsts[r]] for r in range(plan.world)):
         described = [None] * plan.world
         with JOURNAL.entry("every rank's parameters and buffers, to name the replicas that differ", "collective",
@@ -92,9 +92,6 @@ def digest(entries: list[tuple]) -> int:
     return int.from_bytes(hashlib.sha256(repr(entries).encode()).digest()[:8], "little", signed=True)
 
 
-def _first_replica(plan, rank: int) -> int:
-    stage = plan.coords(rank)[0]
-    return plan.rank_of(stage, 0, 0)
 
 
 def _comm_device(group) -> torch.device:

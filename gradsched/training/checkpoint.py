@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-from gradsched.sync.owners import find_sync
+from gradsched.training.model_state import find_sync
 from gradsched.sync.watchdog import JOURNAL, CollectiveFault
 from gradsched.training.checkpoint_files import (LATEST, MANIFEST, CheckpointError, checkpoint_dir, damage, damaged,
                                                  file_sum, read_manifest, write_manifest)

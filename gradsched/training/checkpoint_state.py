@@ -17,12 +17,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from gradsched.sync.owners import find_sync
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL, CollectiveFault, is_comm_error, peers_report
 from gradsched.training.checkpoint_files import CheckpointError
 from gradsched.training.materialize import first_names
-from gradsched.training.optimizer import unsplit_module
+from gradsched.training.model_state import find_sync, stale_names, trained_module, unsplit_module
 from gradsched.training.shards import owned_pieces
 
 
@@ -67,18 +66,11 @@ def canonical_names(model) -> dict[str, str]:
     return first_names(unsplit_module(model))
 
 
-def _trained_module(model):
-    """The module whose tensors this rank trains: its stage (under pp > 1, once built), else the model."""
-    if callable(getattr(type(model), "trained_module", None)):  # a ParallelModel
-        return model.trained_module()
-    return unsplit_module(model)
-
-
 def _skipped(model, writing: bool) -> set[str]:
     """Names this rank holds but does not write (writing=True) or read: the stale copies pipelining's
     split leaves; when writing, also tied copies whose tie begins on another stage (that stage
     writes them; every copy reads them)."""
-    skip = set(model.stale_names()) if callable(getattr(type(model), "stale_names", None)) else set()
+    skip = set(stale_names(model))
     sync = find_sync(model)
     if sync is not None and writing:
         skip |= {n for n, t in sync.setup.ties.items() if min(t.stages) != sync.setup.stage}
@@ -89,7 +81,7 @@ def model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
     """name in the checkpoint -> this rank's tensor (parameters and persistent buffers) to write or
     to read into."""
     canon, skip = canonical_names(model), _skipped(model, writing)
-    meta = [k for k, v in _trained_module(model).state_dict(keep_vars=True).items() if v.is_meta]
+    meta = [k for k, v in trained_module(model).state_dict(keep_vars=True).items() if v.is_meta]
     if meta:  # a load would copy into nothing, and the first step's initialization would then overwrite it
         raise CheckpointError(f"the model's {meta[0]} (and {len(meta) - 1} more) is still on the meta device: a model "
                               "built on meta is allocated and initialized at its first train_step, or by "
@@ -97,7 +89,7 @@ def model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
     # the unsplit model's state dict is the contract: a split stage may hold more (pipelining
     # makes non-persistent buffers, such as rotary inv_freq, part of a stage's state)
     known = set(trained_module_names_all(model))
-    out = {canon.get(k, k): v for k, v in _trained_module(model).state_dict(keep_vars=True).items() if k not in skip}
+    out = {canon.get(k, k): v for k, v in trained_module(model).state_dict(keep_vars=True).items() if k not in skip}
     sync = find_sync(model)
     if writing and sync is not None and sync.param_shards is not None:  # shard="params": the values, gathered
         full = sync.full_parameters()

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.sync.nonfinite import agree
-from gradsched.sync.owners import find_sync
+from gradsched.training.model_state import find_sync
 from gradsched.training.shards import owned_pieces
 
 

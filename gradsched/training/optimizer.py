@@ -21,7 +21,7 @@ from gradsched.training.param_groups import options_by_name
 from gradsched.training.shards import owned_pieces
 from gradsched.sync import nonfinite
 from gradsched.sync.param_shards import all_gather
-from gradsched.sync.owners import find_sync
+from gradsched.training.model_state import find_sync, options_of, unsplit_module
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 
@@ -53,7 +53,7 @@ class DistributedOptimizer:
                 f"DistributedOptimizer(model, torch.optim.{type(optimizer_class).__name__}, lr=...).")
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError(f"DistributedOptimizer needs a torch.optim.Optimizer class, got {optimizer_class!r}.")
-        options = getattr(model, "options", None)  # a ParallelModel's: say it now, not at the first step
+        options = options_of(model)  # a parallel model's: say it now, not at the first step
         if getattr(options, "shard", False) and not issubclass(optimizer_class, ELEMENTWISE):
             _refuse_non_elementwise(optimizer_class)
         self.model = model
@@ -244,14 +244,6 @@ def _groups(keys, options: dict, tensor_of) -> list[dict]:
         g = groups.setdefault(repr(sorted(opts.items())), {**opts, "params": []})
         g["params"].append(tensor_of(k))
     return list(groups.values())
-
-
-def unsplit_module(model) -> torch.nn.Module:
-    """The model as the user built it: a ParallelModel's unsplit model, a torch.compile'd model's
-    original module, or the module itself."""
-    if callable(getattr(type(model), "unsplit_module", None)):  # a ParallelModel
-        return model.unsplit_module()
-    return getattr(model, "_orig_mod", model)
 
 
 def unsplit_named_parameters(model) -> list:
