@@ -37,8 +37,8 @@ class ParallelModel:
         self.options = opts = SyncOptions.from_dict(options)
         schedule = resolve_schedule(schedule, plan.pp, opts.microbatches)
         v, style = stage_placement(schedule, stages_per_rank)
-        self.layout = build.Layout(schedule, v, style, tuple(split_points), plan.pp * v)
-        build.check_options(model, plan, opts, self.layout, fullgraph)
+        self.staging = build.Staging(schedule, v, style, tuple(split_points), plan.pp * v)
+        build.check_options(model, plan, opts, self.staging, fullgraph)
         self.fullgraph, self.ignore_index = fullgraph, ignore_index
         self.values = StageValues(model, plan, init_weights, init_seed)  # a model on meta: allocated at step 1
         self.model_state = ModelState(model, plan, opts, local_stages(plan.stage, plan.pp, v, style))
@@ -46,16 +46,16 @@ class ParallelModel:
         configure_watchdog(plan.describe() if torch.distributed.is_initialized() and plan.world > 1 else "",
                            opts.fault_timeout_s, opts.compile_timeout_s)
         self.driver = driver.StepDriver(self.model_state, self.values, plan, opts, loss_fn, ignore_index,
-                                        self.layout.num_stages)
+                                        self.staging.num_stages)
         if plan.pp == 1:
-            self.built = build.compile_unsplit(self.model_state, self.layout, self._compile_with)
+            self.built = build.compile_unsplit(self.model_state, self.staging, self._compile_with)
             self.values.make_replicas_equal(self.model)
 
     # what was built, and how it is cut (the dry run, the entry point and benchmarks read these)
-    schedule_name = property(lambda self: self.layout.schedule)
-    stages_per_rank = property(lambda self: self.layout.stages_per_rank)
-    num_stages = property(lambda self: self.layout.num_stages)
-    split_points = property(lambda self: list(self.layout.split_points))
+    schedule_name = property(lambda self: self.staging.schedule)
+    stages_per_rank = property(lambda self: self.staging.stages_per_rank)
+    num_stages = property(lambda self: self.staging.num_stages)
+    split_points = property(lambda self: list(self.staging.split_points))
     local = property(lambda self: self.model_state.local)
     within_module_ties = property(lambda self: self.model_state.within_module_ties)
     grad_sync = property(lambda self: self.model_state.grad_sync)
@@ -76,11 +76,11 @@ class ParallelModel:
 
     def split(self, microbatch: tuple) -> build.Split:
         """Split the model into its pipeline stages, traced on one micro-batch (pipeline_build.split_model)."""
-        return build.split_model(self.model, self.layout, microbatch, self.tie_override, self.within_module_ties)
+        return build.split_model(self.model, self.staging, microbatch, self.tie_override, self.within_module_ties)
 
     def compile_split(self, split: build.Split) -> None:
         """Compile this rank's stage(s) of a split (from `split`, here or in another ParallelModel of the model)."""
-        self.built = build.compile_split(self.model_state, self.layout, split, self._compile_with)
+        self.built = build.compile_split(self.model_state, self.staging, split, self._compile_with)
 
     def allocate(self, inputs, targets, positions=None, attention_mask=None) -> None:
         """A model built on meta: allocate and initialize this rank's stage for batches like these (the first
@@ -95,7 +95,7 @@ class ParallelModel:
     def _build_pipeline(self, microbatch: tuple):
         # on meta copies of the micro-batch for a meta model: only this rank's stage is allocated
         self.compile_split(self.split(tuple(t.to("meta") for t in microbatch) if self.values.on_meta else microbatch))
-        self.schedule = build.start_pipeline(self.model_state, self.layout, self.built, self.values, microbatch[0].device,
+        self.schedule = build.start_pipeline(self.model_state, self.staging, self.built, self.values, microbatch[0].device,
                                              self.options.microbatches, self.global_loss, self.timeline)
         return self.built, self.schedule
 

@@ -33,7 +33,7 @@ from gradsched.user_errors import StageError, check_split_points, in_user_code, 
 
 
 @dataclass(frozen=True)
-class Layout:
+class Staging:
     """How the model is cut: the schedule, the stages a rank holds and where they begin."""
     schedule: str
     stages_per_rank: int
@@ -42,20 +42,20 @@ class Layout:
     num_stages: int  # pp x stages_per_rank
 
 
-def check_options(model: nn.Module, plan: ParallelPlan, options: SyncOptions, layout: Layout, fullgraph: bool) -> None:
+def check_options(model: nn.Module, plan: ParallelPlan, options: SyncOptions, staging: Staging, fullgraph: bool) -> None:
     """Refusals that need no trace: before anything is split, compiled or sent."""
-    if plan.pp > 1 and len(layout.split_points) != layout.num_stages - 1:
-        v = layout.stages_per_rank
-        raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={v}' * (v > 1)} needs {layout.num_stages - 1} split_points "
-                         f"(module names that begin a stage, e.g. ['blocks.1']), got {list(layout.split_points)}.")
-    check_split_points(model, layout.split_points)
+    if plan.pp > 1 and len(staging.split_points) != staging.num_stages - 1:
+        v = staging.stages_per_rank
+        raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={v}' * (v > 1)} needs {staging.num_stages - 1} split_points "
+                         f"(module names that begin a stage, e.g. ['blocks.1']), got {list(staging.split_points)}.")
+    check_split_points(model, staging.split_points)
     if options.load_balance == "documents" and plan.cp > 1:
         check_takes_seq_idx(model)
     if options.shard == "params" and not fullgraph:
         raise ValueError("shard='params' needs fullgraph=True: code between graph breaks runs eagerly and would "
                          "read parameters whose storage lives only in the shards. Remove the graph breaks (or "
                          "use shard=True).")
-    if layout.stages_per_rank > 1:
+    if staging.stages_per_rank > 1:
         refuse_with_several_stages(options, plan)
 
 
@@ -65,8 +65,8 @@ class Split(NamedTuple):
     checkpointed: list  # the activation-checkpointed calls the trace saw
 
 
-def split_model(model: nn.Module, layout: Layout, microbatch: tuple, tie_override, within_module_ties) -> Split:
-    """Split the model into stages at the layout's split points (torch.distributed.pipelining, traced on one
+def split_model(model: nn.Module, staging: Staging, microbatch: tuple, tie_override, within_module_ties) -> Split:
+    """Split the model into stages at the staging's split points (torch.distributed.pipelining, traced on one
     micro-batch). Every rank checks every stage, so all refuse a bad split before any step."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     # Trace under no_grad: a module whose forward is itself decorated with no_grad (HF's rotary embedding)
@@ -77,10 +77,10 @@ def split_model(model: nn.Module, layout: Layout, microbatch: tuple, tie_overrid
             # torch's own deepcopy of the traced graph's pytree specs warns of its own deprecated LeafSpec
             warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\)", category=FutureWarning)
             pipe = pipeline(model, mb_args=microbatch,
-                            split_spec={name: SplitPoint.BEGINNING for name in layout.split_points})
+                            split_spec={name: SplitPoint.BEGINNING for name in staging.split_points})
     except Exception as e:  # export's message is generic; the model's own error is in the chain
-        what = (f"splitting {type(model).__name__} into {layout.num_stages} pipeline stages at "
-                f"{list(layout.split_points)}")
+        what = (f"splitting {type(model).__name__} into {staging.num_stages} pipeline stages at "
+                f"{list(staging.split_points)}")
         err = in_user_code(f"{what} failed in the model's code", e)
         if err is None:  # the tracer's own limits: say what is known to cause them
             cause = root_cause(e)
@@ -91,12 +91,12 @@ def split_model(model: nn.Module, layout: Layout, microbatch: tuple, tie_overrid
                 "split points.")
         raise err from e
     name = type(model).__name__
-    check_stage_count(pipe, list(layout.split_points), name)
+    check_stage_count(pipe, list(staging.split_points), name)
     check_first_stage_inputs(pipe, name)
     pass_through_skips(pipe)  # e.g. a decoder's rotary embeddings, read by every stage from the first
     check_adjacent_stages(pipe, name)
     ties = ties_from_override(tie_override) if tie_override is not None else ties_from_pipe(pipe)
-    for stage in range(layout.num_stages):
+    for stage in range(staging.num_stages):
         check_one_copy_per_stage(pipe.get_stage_module(stage), stage, within_module_ties)
     return Split(pipe, ties, checkpointed)
 
@@ -112,15 +112,15 @@ class Built:
         return self.stages[0][1]
 
 
-def compile_unsplit(state: ModelState, layout: Layout, compile_with) -> Built:
+def compile_unsplit(state: ModelState, staging: Staging, compile_with) -> Built:
     """pp = 1: the whole model is the rank's one stage, its loss compiled into the stage's graph."""
     state.ties, state.stage_module = [], state.model
-    state.grad_sync = _grad_sync(state, layout, [])
+    state.grad_sync = _grad_sync(state, staging, [])
     loss_step = compile_with(types.MethodType(_stage_loss, state.model), state.grad_sync)
     return Built([(0, compile_with(state.model, state.grad_sync), state.model)], loss_step)
 
 
-def compile_split(state: ModelState, layout: Layout, split: Split, compile_with) -> Built:
+def compile_split(state: ModelState, staging: Staging, split: Split, compile_with) -> Built:
     """This rank's stage(s) of a split (from split_model, here or in another model of the same split: the dry
     run splits once for every role), each compiled on its own, one GradSync over them all; a tie whose copies
     sit on this rank made one Parameter (gradsched.training.virtual_stages)."""
@@ -130,35 +130,35 @@ def compile_split(state: ModelState, layout: Layout, split: Split, compile_with)
     if lost:
         warn_checkpointing_dropped(lost, state.plan.pp)
     state.ties = split.ties
-    if layout.stages_per_rank == 1:
+    if staging.stages_per_rank == 1:
         state.stage_module = modules[state.local[0]]
-        state.grad_sync = _grad_sync(state, layout, split.ties)
+        state.grad_sync = _grad_sync(state, staging, split.ties)
     else:
-        ranks = stage_ranks(state.plan.pp, layout.stages_per_rank, layout.placement_style)
+        ranks = stage_ranks(state.plan.pp, staging.stages_per_rank, staging.placement_style)
         across, merged = merge_local_ties(modules, split.ties, ranks)
         state.stage_module = RankStages([modules[s] for s in state.local])
-        state.grad_sync = _grad_sync(state, layout, across, canonical={n: names[0] for names in merged for n in names})
+        state.grad_sync = _grad_sync(state, staging, across, canonical={n: names[0] for names in merged for n in names})
     return Built([(s, compile_with(modules[s], state.grad_sync), modules[s]) for s in state.local])
 
 
-def start_pipeline(state: ModelState, layout: Layout, built: Built, values: StageValues, device, m: int,
+def start_pipeline(state: ModelState, staging: Staging, built: Built, values: StageValues, device, m: int,
                    global_loss, timeline):
     """After the split's stages are compiled, before anything is sent: the stage boundaries agreed (a mismatch
     named at its source), the stage allocated, the other stages' weights released, its replicas made equal;
     returns the schedule that runs it."""
-    agree_stage_boundaries({s: mod for s, _, mod in built.stages}, state.plan, layout.num_stages)
+    agree_stage_boundaries({s: mod for s, _, mod in built.stages}, state.plan, staging.num_stages)
     values.allocate(state.stage_module, device)
     release_other_stages(state.model, state.stage_module)  # the other stages' weights: not this rank's to keep
     values.make_replicas_equal(state.stage_module)
     device = next(built.module.parameters()).device  # the stage runs where its weights are
-    return pipeline_schedule(layout.schedule, built.stages, layout.num_stages, state.plan, state.grad_sync, m, device,
+    return pipeline_schedule(staging.schedule, built.stages, staging.num_stages, state.plan, state.grad_sync, m, device,
                              global_loss, timeline)
 
 
-def _grad_sync(state: ModelState, layout: Layout, ties, **kw) -> GradSync:
+def _grad_sync(state: ModelState, staging: Staging, ties, **kw) -> GradSync:
     setup = setup_stage(state.plan, state.options, ties, aliases=state.within_module_ties)
     # the step driver marks each step's last micro-batch
-    return GradSync(setup, state.options, explicit_steps=True, split_backward=layout.schedule in SPLIT_BACKWARD, **kw)
+    return GradSync(setup, state.options, explicit_steps=True, split_backward=staging.schedule in SPLIT_BACKWARD, **kw)
 
 
 def _stage_loss(stage_module, loss_fn, args, target, keep, weight):
