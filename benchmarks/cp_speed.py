@@ -299,7 +299,7 @@ def main(argv=None) -> list[dict]:
     impls = list(per_rank[0]["times"])
     medians = {n: statistics.median(per_rank[0]["times"][n]) for n in impls}
     from gradsched.cp.comm import choose_comm
-    from gradsched.sync.report import ring_steps
+    from gradsched.sync.schedule_report import ring_steps
     picked = choose_comm(q_heads=a.heads, kv_heads=cfg["kv_heads"], cp=a.cp, masked=a.window is not None)
     fixed = [medians[f"gradsched_inductor:{c}"] for c in cfg["comms"] if c != "auto" and len(cfg["comms"]) > 1]
     rows = []

@@ -5,7 +5,7 @@ the code Inductor generated, and what it does to the step, against every bucket 
     python benchmarks/overlap.py --pp 1 --dp 4
 
 Trains a GPT of about 46M parameters (dim 768, 6 layers, tied embedding) on pp x dp gloo processes,
-once with the default placement (pp > 1: "split", only tied buckets wait for the flush; pp = 1:
+once with the default placement (pp > 1: "tied_at_flush", only tied buckets wait for the flush; pp = 1:
 "backward") and once with placement="flush" (every bucket after the backward: what gradsched did
 before), and prints one JSON object per placement:
 
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     m = args.microbatches or 2 * args.pp
     config = GPTConfig(vocab=args.vocab, seq=args.seq, dim=args.dim, heads=args.dim // 64, layers=args.layers)
     rows, times = [], {}
-    for placement in ("flush", "split" if args.pp > 1 else "backward"):
+    for placement in ("flush", "tied_at_flush" if args.pp > 1 else "backward"):
         print(f"[overlap] placement={placement}: pp={args.pp} x dp={args.dp}, {m} micro-batches, {args.steps} "
               "steps (the first compiles) ...", file=sys.stderr, flush=True)
         job = Job(pp=args.pp, dp=args.dp, steps=args.steps, config=config, optimizer="sgd", lr=0.1,

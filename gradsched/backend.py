@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from gradsched.sync import pass_pipeline
 from gradsched.sync.compile import compile_graph
 from gradsched.sync.replicas import make_tensors_equal
 from gradsched.sync.owners import sync_of
@@ -51,24 +52,25 @@ def _local_sequence_length(example_inputs) -> int | None:
 
 
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
-    """Context parallelism: attention becomes ring steps over the plan's CP group."""
+    """Context parallelism: attention becomes ring steps over the plan's CP group (the pass pipeline's
+    entries for Dynamo's graph); anything left mixing tokens on a rank's slice is refused."""
     from gradsched.cp import ring_attention as ring
-    from gradsched.passes.context_parallel import RingSpec, attention_left, lower_attention_to_ring
-    _, report = lower_attention_to_ring(gm, RingSpec(
-        plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention, check=ring.check_attention_call,
-        accumulate=opts.accumulate, comm=opts.comm, load_balance=opts.load_balance, a2a_degree=opts.a2a_degree))
-    from gradsched.passes.sequence_mixing import hand_written_attention, unlowered_sequence_mixing
-    # whatever the lowering walked or not: any attention call left, at any depth, is refused
-    left = report.left_local + [a for a in attention_left(gm) if not any(a in w for w in report.left_local)]
+    from gradsched.passes.context_parallel import RingSpec
+    ring_spec = RingSpec(plan.process_group("cp").group_name, plan.cp, attention=ring.ring_attention,
+                         check=ring.check_attention_call, accumulate=opts.accumulate, comm=opts.comm,
+                         load_balance=opts.load_balance, a2a_degree=opts.a2a_degree)
     seq_len = _local_sequence_length(example_inputs)
-    local = left + hand_written_attention(gm, seq_len) + unlowered_sequence_mixing(gm, seq_len)
+    records = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions.of(opts, cp=plan.cp), {
+        "lower_attention_to_ring": ring_spec,
+        "unlowered_attention": pass_pipeline.Later(lambda r: (r["lower_attention_to_ring"], seq_len))})
+    local = records["unlowered_attention"]
     if local:
         raise NotImplementedError(
             f"context parallelism (cp={plan.cp}) cannot lower this attention, and left local to each rank's "
             f"slice of the sequence it would be silently wrong: {'; '.join(local)}. Express it with "
             "torch.nn.functional.scaled_dot_product_attention (a Hugging Face model: attn_implementation='sdpa', "
             "or gradsched.hf.CausalLM), or train this model with cp=1.")
-    return report
+    return records["lower_attention_to_ring"]
 
 
 def _sync_for_backend_by_name(plan, options: dict, params):

@@ -45,7 +45,7 @@ from gradsched.hf import LLAMA, from_config, llama
 from gradsched.sizing import args as cli_args
 from gradsched.sizing.accounting import account, by_group, held_bytes, verdict
 from gradsched.sizing.device_attention import DEVICES, priced_as
-from gradsched.sizing.report import count, describe, parse_bytes, size
+from gradsched.sizing.dryrun_text import count, describe, parse_bytes, size
 from gradsched.sizing.roles import (Role, fake_world, like, nbytes, run_rank_schedule, run_schedule, stage_args,
                                     stage_outputs)
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes

@@ -113,7 +113,7 @@ def _register_attention() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from gradsched.cp.masks import attention
+    from gradsched.cp.attention_masks import attention
 
     def make(documents: bool):
         def gradsched_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,

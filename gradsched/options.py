@@ -1,12 +1,14 @@
 """Options of the gradient-sync passes and of context parallelism, validated once with readable errors."""
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
 
 MODES = ("tied_first", "shard_aligned", "unsafe_rs_first")
-PLACEMENTS = ("auto", "split", "backward", "flush")
+PLACEMENTS = ("auto", "tied_at_flush", "backward", "flush")
+DEPRECATED_PLACEMENTS = {"split": "tied_at_flush"}  # old spelling -> its name now
 COMPILERS = ("inductor", "eager")
 ACCUMULATE = ("fp32", "input", "fp32_blocks")
 COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
@@ -32,7 +34,7 @@ class SyncOptions:
                  bucket, all-gathered in each graph just before use (ZeRO-3 / FSDP);
                  reshard_after_forward=False keeps the forward's gathered parameters the
                  backward reads instead of gathering them again.
-    placement  where each bucket's reduction runs. split (auto's choice for pp > 1):
+    placement  where each bucket's reduction runs. tied_at_flush (auto's choice for pp > 1):
                  buckets without a tied gradient in the last micro-batch's backward
                  graph, overlapping the other stages' remaining work; buckets with
                  one in a sync graph after the pipeline flush (a stage's backward
@@ -82,6 +84,12 @@ class SyncOptions:
                              f"sharded); shard is {self.shard!r}.")
         if self.mode not in MODES:
             bad("mode", self.mode, MODES)
+        if self.placement in DEPRECATED_PLACEMENTS:  # an old spelling: still valid, told once where it is written
+            new = DEPRECATED_PLACEMENTS[self.placement]
+            warnings.warn(f"gradsched option placement={self.placement!r} is now spelled placement={new!r} (the "
+                          f"word 'split' means the pipeline split); the old name will be removed.", FutureWarning,
+                          stacklevel=3)
+            self.placement = new
         if self.placement not in PLACEMENTS:
             bad("placement", self.placement, PLACEMENTS)
         if self.compiler not in COMPILERS:

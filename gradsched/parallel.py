@@ -24,7 +24,7 @@ from gradsched.plan import ParallelPlan
 from gradsched.sync.watchdog import configure as configure_watchdog
 from gradsched.training import pipeline_build as build, step_driver as driver
 from gradsched.training.model_state import ModelState
-from gradsched.training.pipeline_schedule import resolve_schedule, stage_placement
+from gradsched.training.pipeline_schedule import resolve_schedule, stage_assignment
 from gradsched.training.stage_values import StageValues
 from gradsched.training.virtual_stages import local_stages
 
@@ -36,7 +36,7 @@ class ParallelModel:
         self.model, self.plan, self.loss_fn, self.tie_override = model, plan, loss_fn, ties
         self.options = opts = SyncOptions.from_dict(options)
         schedule = resolve_schedule(schedule, plan.pp, opts.microbatches)
-        v, style = stage_placement(schedule, stages_per_rank)
+        v, style = stage_assignment(schedule, stages_per_rank)
         self.staging = build.Staging(schedule, v, style, tuple(split_points), plan.pp * v)
         build.check_options(model, plan, opts, self.staging, fullgraph)
         self.fullgraph, self.ignore_index = fullgraph, ignore_index

@@ -42,7 +42,7 @@ from gradsched.launch import free_port, launch_command, leave
 from gradsched.plan import plan_sizes
 from gradsched.sync.watchdog import CollectiveFault
 from gradsched.sync.watchdog import stop as stop_watchdog
-from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule, stage_placement
+from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule, stage_assignment
 from gradsched.training.run_io import Mistake, Progress, Synthetic, TokenFile, lr_scale, open_metrics
 
 BUILTIN = {  # name -> (HF config class, its arguments); every one ties its embedding and head
@@ -294,7 +294,7 @@ def train(args) -> int:
     resume_from = checkpoint_dir(args.resume) if args.resume else None
     model, layers = build_model(args.model, args.seed)
     schedule = resolve_schedule(args.schedule, args.pp, args.microbatches)
-    stages, _ = stage_placement(schedule, None)
+    stages, _ = stage_assignment(schedule, None)
     points = split_points(model, layers, args.pp * stages)  # zbv, interleaved_1f1b: two stages a rank
     vocab = model.model.config.vocab_size
     data = (TokenFile(args.data, args.ids, args.seq, vocab, args.batch) if args.data

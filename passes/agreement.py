@@ -19,7 +19,7 @@ collective of the group, so each rank compares with the graph its peers run at t
 A rank that recompiled alone still meets its peers' (older) graphs at that first all-gather,
 which every graph gradsched compiles starts with. What the check does with the gathered digests
 (raise at once, or poison the group's inputs with NaN and compare later on the host, without
-waiting for the device) is the caller's: gradsched.sync.agreement. No extra process group, no
+waiting for the device) is the caller's: gradsched.sync.agreement_check. No extra process group, no
 store round trip per run: one 8-byte all-gather per group per graph run.
 
 Assumes: functional collectives (graph_utils.COLLECTIVES) whose group is their last argument and

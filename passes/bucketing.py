@@ -19,7 +19,7 @@ reduce-scatter sum each element in the same order, so copies that start equal
 stay bitwise equal.
 
 `place_buckets` then says which graph reduces each bucket. Invariant: under
-"split", a bucket holding a tied gradient is never placed in the backward graph
+"tied_at_flush", a bucket holding a tied gradient is never placed in the backward graph
 (its tie all-reduce spans stages, and a stage's backward cannot wait on another
 stage before sending its input gradient: a deadlock); every other bucket is.
 Every bucket is placed exactly once, and indices are kept.
@@ -94,7 +94,7 @@ def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
     Buckets are filled from the END of the ready order: the last bucket is reduced after the
     backward's last kernel, with nothing left to hide it, so it is capped at `tail_mb` (and holds
     at least the last gradient). Until a bucket without a tied gradient is closed, the cap stays
-    at `tail_mb`: under placement="split" tied buckets move to the flush, and the last bucket the
+    at `tail_mb`: under placement="tied_at_flush" tied buckets move to the flush, and the last bucket the
     backward itself reduces is the first untied one. The others are capped at `bucket_mb`.
     """
     ties = ties or {}
@@ -134,15 +134,15 @@ def plan_buckets(ready: list[GradSpec], *, bucket_mb: float, shards: int,
 def place_buckets(layout: BucketLayout, placement: str) -> dict[str, BucketLayout]:
     """"backward" and/or "flush" -> the sub-layout that graph reduces (no empty one).
 
-    placement: "split" (tied buckets at the flush, the others in the backward), "backward"
+    placement: "tied_at_flush" (tied buckets at the flush, the others in the backward), "backward"
     or "flush" (every bucket there)."""
     if placement in ("backward", "flush"):
         parts = {placement: layout.buckets}
-    elif placement == "split":
+    elif placement == "tied_at_flush":
         tied = tuple(b for b in layout.buckets if any(s.tie for s in b.slots))
         parts = {"backward": tuple(b for b in layout.buckets if b not in tied), "flush": tied}
     else:
-        raise ValueError(f"placement={placement!r}: one of 'split', 'backward', 'flush'.")
+        raise ValueError(f"placement={placement!r}: one of 'tied_at_flush', 'backward', 'flush'.")
     return {where: BucketLayout(buckets, layout.shards) for where, buckets in parts.items() if buckets}
 
 

@@ -88,7 +88,7 @@ class AttentionForm:
     seq_major: bool = False  # [B, L, H, D] (flash-attn) instead of [B, H, L, D]
     returns_lse: bool = False  # returns (out, lse, ...) instead of out
     causal_default: bool | None = None  # when the call does not say (None: the spec's default)
-    masks: tuple[str, ...] = ()  # mask arguments handed to the ring as they are (gradsched.cp.masks)
+    masks: tuple[str, ...] = ()  # mask arguments handed to the ring as they are (gradsched.cp.attention_masks)
 
 
 SDPA = AttentionForm("scaled_dot_product_attention", _SDPA_PARAMS, "is_causal", "scale")

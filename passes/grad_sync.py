@@ -248,3 +248,12 @@ def _unsafe_tie_reduce_after(b: GraphBuilder, spec: SyncSpec, tied, results, ind
         bufs[i] = b.call(aten.slice_scatter.default, bufs[i], view, 0, s.offset, s.offset + s.numel)
         results[i] = b.call(aten.slice.Tensor, bufs[i], 0, start, start + size)
     return results
+
+
+def return_shards_only(gm: fx.GraphModule, n_outputs: int) -> tuple[fx.GraphModule, int]:
+    """A flush or early graph under shard=True: its gradient outputs (the first `n_outputs`, None after
+    insert_grad_sync) dropped, so it returns the reduced shards alone. Returns the outputs kept."""
+    out = gm.graph.output_node()
+    out.args = (tuple(out.args[0][n_outputs:]),)
+    gm.recompile()
+    return gm, len(out.args[0])

@@ -16,7 +16,7 @@ this tie's all-reduces meets the same tie on every member: collectives match
 by position, so an all-reduce that meets another tie sums unrelated tensors.
 
 Otherwise it reports a hazard naming the parameters, buckets, offsets and
-ranks (Megatron-LM #844). It reads graphs only; it changes nothing.
+ranks (Megatron-LM #844). Invariant: none established; it reads graphs only and changes nothing.
 
 Usable three ways: `verify_graph(gm, ties)` on an FX graph, the same on a JSON
 dump (`graph_to_json`), and `gradsched-verify DUMP...` on dumps of every rank.

@@ -424,7 +424,7 @@ def swapped_graphs_after_warm_up(rank, world):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from gradsched.passes.graph_utils import GraphBuilder
-    from gradsched.sync import agreement
+    from gradsched.sync import agreement_check
     from gradsched.sync.compile import compile_graph
     group = dist.group.WORLD.group_name
 
@@ -440,10 +440,10 @@ def swapped_graphs_after_warm_up(rank, world):
     x = torch.arange(4.0) + rank
     for run in (a, b):
         run([x.clone()])
-        agreement.settle(wait=True)
+        agreement_check.settle(wait=True)
     out = (a if rank == 0 else b)([x.clone()])[0]
     try:
-        agreement.settle(wait=True)
+        agreement_check.settle(wait=True)
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return {"output": out, "error": f"{type(e).__name__}: {e}"}
     return {"output": out, "error": None}

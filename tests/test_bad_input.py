@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import gradsched
+from gradsched.options import SyncOptions
 from gradsched.launch import run_ranks
 from gradsched.sync.owners import mark_sharded
 from gradsched.sync.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
@@ -117,7 +118,7 @@ def test_placement_backward_with_a_tie_across_stages_is_refused_before_the_first
     from gradsched.launch import RankFailed
     from tied_training import Job, rank_main
     job = Job(pp=2, dp=1, steps=1, options={"compiler": "eager", "placement": "backward"})
-    with pytest.raises(RankFailed, match="would deadlock.*placement='split'"):
+    with pytest.raises(RankFailed, match="would deadlock.*placement='tied_at_flush'"):
         run_ranks(rank_main, 2, job, timeout_s=120)
 
 
@@ -201,3 +202,9 @@ def test_a_value_read_two_stages_back_is_passed_through_the_stages_between_else_
     x = torch.randint(0, 64, (1, 16))
     with torch.no_grad():
         assert torch.equal(pipe(x)[0], llama(x))
+
+
+def test_the_old_placement_name_split_still_works_with_a_warning_naming_its_new_name():
+    with pytest.warns(FutureWarning, match="placement='tied_at_flush'"):
+        opts = SyncOptions(placement="split")
+    assert opts.placement == "tied_at_flush"

@@ -25,7 +25,7 @@ def test_the_last_bucket_nothing_can_overlap_is_small_but_holds_the_last_gradien
 
 
 def test_with_a_tied_gradient_last_the_backwards_own_last_bucket_is_the_small_one():
-    # under placement="split" the tied bucket waits for the flush: the untied bucket before it
+    # under placement="tied_at_flush" the tied bucket waits for the flush: the untied bucket before it
     # is the last the backward reduces
     ready = specs(100, 100, 100) + [GradSpec("emb", (300,), torch.float32, 3)]
     layout = plan_buckets(ready, bucket_mb=100.0, shards=1, tail_mb=100 * 4 / 2**20, ties={"emb": "t"},
@@ -66,12 +66,12 @@ def test_unaligned_ties_land_at_different_offsets():
     assert a.locate("head")[1].offset == 0 and b.locate("emb")[1].offset == 13
 
 
-def test_split_placement_sends_exactly_the_buckets_with_a_tied_gradient_to_the_flush():
+def test_the_tied_at_flush_placement_sends_exactly_the_buckets_with_a_tied_gradient_to_the_flush():
     # unsafe_rs_first's layout (no alignment): the tied gradient shares a bucket with others
     for align in (True, False):
         layout = plan_buckets(specs(6, 10, 6, 4), bucket_mb=16 * 4 / 2**20, shards=2, ties={"p1": "t"},
                               align_ties=align)
-        placed = place_buckets(layout, "split")
+        placed = place_buckets(layout, "tied_at_flush")
         flush = [b.index for b in placed["flush"].buckets]
         assert flush == [b.index for b in layout.buckets if any(s.name == "p1" for s in b.slots)]
         assert sorted(flush + [b.index for b in placed["backward"].buckets]) == [b.index for b in layout.buckets]
@@ -80,7 +80,7 @@ def test_split_placement_sends_exactly_the_buckets_with_a_tied_gradient_to_the_f
 def test_placement_backward_or_flush_puts_every_bucket_in_one_graph_and_an_untied_stage_has_no_flush():
     layout = plan_buckets(specs(6, 10), bucket_mb=8 * 4 / 2**20, shards=2)
     assert list(place_buckets(layout, "flush")) == ["flush"] and list(place_buckets(layout, "backward")) == ["backward"]
-    assert list(place_buckets(layout, "split")) == ["backward"]
+    assert list(place_buckets(layout, "tied_at_flush")) == ["backward"]
 
 
 def test_after_several_stage_graphs_a_bucket_reduces_early_only_once_all_its_gradients_are_final():
@@ -98,7 +98,7 @@ def test_after_several_stage_graphs_a_bucket_reduces_early_only_once_all_its_gra
 
 
 def test_a_ranks_gradients_are_ordered_and_final_by_the_order_its_stage_graphs_finish():
-    from gradsched.sync.stage_build import finishing_points
+    from gradsched.sync.rank_stages import finishing_points
     first, second = specs(1, 2), [GradSpec("q", (3,), torch.float32, 0), GradSpec("p0", (1,), torch.float32, 1)]
     ready, final_at = finishing_points([first, second], order=(1, 0))  # the second graph finished first
     assert [r.name for r in ready] == ["q", "p0", "p1"]

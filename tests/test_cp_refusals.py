@@ -8,7 +8,7 @@ import transformers
 from gradsched.hf import CausalLM, UnsupportedAttention
 from gradsched.masks import attention
 from gradsched.passes.context_parallel import RingSpec, lower_attention_to_ring
-from gradsched.sync.report import attention_report
+from gradsched.sync.schedule_report import attention_report
 from gradsched.cp.ring_attention import RingAttentionError, check_attention_call, ring_attention
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,

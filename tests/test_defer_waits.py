@@ -23,7 +23,7 @@ def test_collectives_keep_their_order():
 
 
 def test_after_the_agreement_the_kept_input_is_the_one_the_reduction_reads():
-    import gradsched.sync.agreement  # noqa: F401 - registers gradsched::agree
+    import gradsched.sync.agreement_check  # noqa: F401 - registers gradsched::agree
     from gradsched.passes.agreement import AgreementSpec, insert_agreement
     gm, _ = insert_agreement(backward_like_graph(), AgreementSpec(torch.ops.gradsched.agree.default, {"dp": 2}))
     gm, record = defer_waits(gm)

@@ -1,11 +1,11 @@
-"""Which buckets of a rank of several stages reduce early (gradsched.sync.stage_build.build_union): one process,
+"""Which buckets of a rank of several stages reduce early (gradsched.sync.rank_stages.build_union): one process,
 plain data; nothing is compiled or run (the graphs compile at their first call)."""
 import pytest
 import torch
 
 from gradsched.options import SyncOptions
 from gradsched.passes.grad_ready_order import GradSpec
-from gradsched.sync.stage_build import StagePart, build_union
+from gradsched.sync.rank_stages import StagePart, build_union
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_plan import Group
 
@@ -22,7 +22,7 @@ def parts():
     return out
 
 
-def setup(ranks: int, placement: str = "split") -> StageSetup:
+def setup(ranks: int, placement: str = "tied_at_flush") -> StageSetup:
     group = Group("grad", tuple(range(ranks)), 0)
     return StageSetup(0, 0, "rank 0", placement, group, group, {}, {}, ())
 

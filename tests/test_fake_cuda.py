@@ -99,9 +99,9 @@ def test_the_flush_graph_for_cuda_parameters_is_on_cuda():
     on_cuda(gm)
 
 
-def test_the_split_placement_puts_both_graphs_on_cuda():
+def test_the_tied_at_flush_placement_puts_both_graphs_on_cuda():
     bw = to_fake_cuda(cpu_backward_graph())
-    plan = sync_plan_for(bw, "split")
+    plan = sync_plan_for(bw, "tied_at_flush")
     on_cuda(backward_sync_graph(bw, plan, accumulate=True)[0])
     on_cuda(flush_sync_graph(plan, torch.device("cuda"))[0])
 

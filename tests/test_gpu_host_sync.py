@@ -64,7 +64,7 @@ def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard
 
 
 def test_the_agreement_after_its_first_run_queues_its_check_without_waiting_and_finds_a_mismatch(monkeypatch):
-    from gradsched.sync import agreement
+    from gradsched.sync import agreement_check
     from gradsched.sync.fingerprint import CollectiveMismatch
 
     monkeypatch.setattr(agreement, "_mismatch", lambda found, *a, **k: f"gathered {found}")  # no peers to name
@@ -75,4 +75,4 @@ def test_the_agreement_after_its_first_run_queues_its_check_without_waiting_and_
         nan = torch.ops.gradsched.agree(differing, 1234, "a group")
     assert zero.item() == 0.0 and torch.isnan(nan).item()
     with pytest.raises(CollectiveMismatch, match=r"gathered \[1234, 99\]"):
-        agreement.settle(wait=True)
+        agreement_check.settle(wait=True)

@@ -1,6 +1,6 @@
 """Every compiled graph agrees with its peers' graphs on each group's collectives before issuing any,
 on every run: ranks that would run different collectives raise, naming both sides; a recompile on
-some ranks only runs on when its collectives are the same (gradsched.sync.agreement)."""
+some ranks only runs on when its collectives are the same (gradsched.sync.agreement_check)."""
 import time
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import gradsched.sync.agreement  # noqa: F401 - registers gradsched::agree
+import gradsched.sync.agreement_check  # noqa: F401 - registers gradsched::agree
 from gradsched.launch import RankFailed, run_ranks
 from gradsched.passes.agreement import AgreementSpec, collective_sequences, digest, insert_agreement
 from gradsched.passes.graph_utils import GraphBuilder, c10d, collective_group, is_collective

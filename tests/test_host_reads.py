@@ -1,6 +1,6 @@
 """A steady-state step never reads a device value on the host (each read drains a GPU's queue), but for
 the one at its end: the non-finite flags (gradsched.training.host_reads records the reads;
-gradsched.sync.agreement and gradsched.training.loss_weights keep their checks on the device)."""
+gradsched.sync.agreement_check and gradsched.training.loss_weights keep their checks on the device)."""
 import pytest
 import torch
 from torch.optim.optimizer import _get_value

@@ -123,9 +123,11 @@ def test_the_readme_tree_is_the_package():
 def test_the_parallel_model_is_thin_and_its_parts_small():
     parallel = len((ROOT / "gradsched" / "parallel.py").read_text().splitlines())
     assert parallel < 150, f"gradsched/parallel.py: {parallel} lines; its jobs belong in training/'s modules"
-    parts = ["pipeline_build", "step_driver", "model_state", "stage_values"]
-    long = {p: n for p in parts
-            if (n := len((ROOT / "gradsched" / "training" / f"{p}.py").read_text().splitlines())) > 300}
+    # the modules the making of room for a new dimension changed: each at most 300 lines
+    parts = ["training/pipeline_build", "training/step_driver", "training/model_state", "training/stage_values",
+             "backend", "sync/runtime", "sync/stage_results", "sync/stage_build", "sync/rank_stages",
+             "sync/pass_pipeline", "sync/sync_graphs", "sync/compile", "sync/preflight", "sync/sync_plan"]
+    long = {p: n for p in parts if (n := len((ROOT / "gradsched" / f"{p}.py").read_text().splitlines())) > 300}
     assert not long, long
 
 

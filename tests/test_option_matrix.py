@@ -18,7 +18,7 @@ import re
 import pytest
 
 from gradsched.launch import run_ranks
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, V_SHAPED as V
+from gradsched.training.pipeline_schedule import CUT_BACKWARD, V_SHAPED as V
 from tied_training import Job, abs_diff, compare, gradient_error, rank_jobs, reference
 from tiny_gpt import GPTConfig
 
@@ -170,7 +170,7 @@ def assert_like_one_process(job_, ranks):
 def test_zero_bubble_runs_weight_gradients_after_later_input_gradients(eager_runs, inductor_runs):
     runs = {**eager_runs, **inductor_runs}
     for name, case in {**CASES, **INDUCTOR}.items():
-        if case.schedule in SPLIT_BACKWARD:  # some stage ran a W after the B of a later micro-batch
+        if case.schedule in CUT_BACKWARD:  # some stage ran a W after the B of a later micro-batch
             assert max(r["w_queued_max"] for r in runs[name]) >= 2, name
         else:  # the backward whole: nothing queued
             assert all(r["w_queued_max"] == 0 for r in runs[name]), name
@@ -193,7 +193,7 @@ def expected_placement(job_, r) -> dict:
     ends (two stages a rank here)."""
     buckets = list(range(r["n_buckets"]))
     if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
-        if job_.schedule not in SPLIT_BACKWARD or job_.options.get("shard", True) is not True or \
+        if job_.schedule not in CUT_BACKWARD or job_.options.get("shard", True) is not True or \
                 job_.options.get("placement", "auto") == "flush":
             return {"flush": buckets}  # no one backward graph holds all of a rank's gradients
         # the rank's later stage, whose backward comes first: the V's second leg, or the last loop's
@@ -204,8 +204,8 @@ def expected_placement(job_, r) -> dict:
         return {k: v for k, v in (("early0", early), ("flush", [b for b in buckets if b not in early])) if v}
     placement = job_.options.get("placement", "auto")
     if placement == "auto":
-        placement = "backward" if job_.pp == 1 else "split"
-    if placement != "split":
+        placement = "backward" if job_.pp == 1 else "tied_at_flush"
+    if placement != "tied_at_flush":
         return {placement: buckets}
     parts = {"backward": [b for b in buckets if b not in r["tied_buckets"]], "flush": sorted(r["tied_buckets"])}
     return {k: v for k, v in parts.items() if v}

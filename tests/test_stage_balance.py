@@ -1,4 +1,4 @@
-"""balanced_split_points: the split that balances the ranks for a placement of stages, from measured pieces."""
+"""balanced_split_points: the split that balances the ranks for an assignment of stages to ranks, from measured pieces."""
 import random
 
 import pytest

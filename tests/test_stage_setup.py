@@ -13,18 +13,18 @@ READY = [GradSpec("head.weight", (8, 4), torch.float32, 0), GradSpec("w", (4, 4)
 
 def setup(ties=None, aliases=()):
     ties = {"head.weight": Tie(((0, "emb.weight"), (1, "head.weight")))} if ties is None else ties
-    return StageSetup(stage=1, rank=1, where="rank 1", placement="split", grad_group=Group("g", (1,), 0), all_ranks=Group("w", (0, 1), 1),
+    return StageSetup(stage=1, rank=1, where="rank 1", placement="tied_at_flush", grad_group=Group("g", (1,), 0), all_ranks=Group("w", (0, 1), 1),
                       tie_groups={}, ties=ties, aliases=tuple(frozenset(a) for a in aliases))
 
 
 def test_auto_placement_reduces_in_the_backward_at_pp1_and_splits_at_pp2():
     assert resolve_placement("auto", pp=1, has_ties=False) == "backward"
-    assert resolve_placement("auto", pp=2, has_ties=True) == "split"
+    assert resolve_placement("auto", pp=2, has_ties=True) == "tied_at_flush"
     assert resolve_placement("flush", pp=2, has_ties=True) == "flush"
 
 
 def test_placement_backward_with_a_tie_across_stages_is_refused_as_a_deadlock():
-    with pytest.raises(ValueError, match="deadlock.*placement='split'"):
+    with pytest.raises(ValueError, match="deadlock.*placement='tied_at_flush'"):
         resolve_placement("backward", pp=2, has_ties=True)
 
 

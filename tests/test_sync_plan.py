@@ -11,7 +11,7 @@ DTYPES = {"head": torch.float32, "w": torch.bfloat16, "b": torch.bfloat16}
 
 
 def plan(options=None, index=0, ties=None):
-    return plan_sync(READY, options or SyncOptions(), stage=1, rank=3, placement="split",
+    return plan_sync(READY, options or SyncOptions(), stage=1, rank=3, placement="tied_at_flush",
                      grad_group=Group("dp", (1, 3), index), tie_groups={"t": Group("tie", (1, 3), index)},
                      ties=ties if ties is not None else {"head": "t"}, param_dtypes=DTYPES)
 

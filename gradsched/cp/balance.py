@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gradsched.cp.layout import document_order, shard_index
-from gradsched.cp.masks import document_ids, visible
+from gradsched.cp.attention_masks import document_ids, visible
 
 
 def pairs_per_rank(position_ids: torch.Tensor, cp: int, *, load_balance: bool | str = True, causal: bool = True,

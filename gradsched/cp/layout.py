@@ -15,7 +15,7 @@ own position ids, into a sequence whose head-tail cut gives every rank a near-eq
 every document: document d is cut into 2cp consecutive pieces of floor or ceil(len_d / 2cp)
 tokens, piece k going into the k-th of 2cp equal chunks (`document_order`). Within a document
 the order of its tokens is kept, so causality is still sequence order; documents are no longer
-contiguous, so the model is told them explicitly (`seq_idx`, gradsched.cp.masks) and a window is
+contiguous, so the model is told them explicitly (`seq_idx`, gradsched.cp.attention_masks) and a window is
 measured on positions.
 
 Everything a rank feeds the model is cut the same way, so each token keeps its own
@@ -96,7 +96,7 @@ def document_order(position_ids: torch.Tensor, cp: int) -> torch.Tensor:
 
     Each document's remainder tokens (len mod 2cp) go one each to consecutive chunks, carried on
     cyclically from the previous document, so that every chunk ends with exactly S / 2cp tokens."""
-    from gradsched.cp.masks import document_ids
+    from gradsched.cp.attention_masks import document_ids
 
     _check(position_ids.shape[-1], cp, True)
     return torch.stack([_row_order(doc, 2 * cp) for doc in document_ids(position_ids)])
@@ -120,7 +120,7 @@ def balance_documents(position_ids: torch.Tensor, cp: int, *tensors: torch.Tenso
     """(seq_idx, the tensors) of each row reordered into the document-balanced sequence, to be cut
     by `shard` with load_balance=True. tensors: [B or 1, S, ...] per-token (inputs, position ids,
     targets already shifted, padding); seq_idx [B, S]: each token's document."""
-    from gradsched.cp.masks import document_ids
+    from gradsched.cp.attention_masks import document_ids
 
     order = document_order(position_ids, cp)
     rows = order.shape[0]

@@ -61,7 +61,7 @@ import torch.distributed as dist
 
 from gradsched.cp.ring_blocks import (backward_window, finish_forward, flat_kv, forward_window, pop_kv_grads,
                                       row_chunks, rows_for_backward, unflat_kv, unflat_kv_grads)
-from gradsched.cp.masks import check_mask_args, normalize_masks
+from gradsched.cp.attention_masks import check_mask_args, normalize_masks
 from gradsched.cp.keep import Uses, anchored
 from gradsched.cp.comm import (ACCUMULATE_MODES, COMM_MODES, RingAttentionError, check_attention_call,
                                check_masked_call)
@@ -228,7 +228,7 @@ def ring_attention(q, k, v, group_name: str, *, causal: bool = False, scale: flo
     schedule would round a row's output more than twice (cp > 4) or the call is masked
     (`fewest_roundings_default`).
 
-    Masks (gradsched.cp.masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
+    Masks (gradsched.cp.attention_masks' conventions): `window` (tokens, causal only), `position_ids` (documents:
     a new one wherever positions do not step by 1) and `key_padding` (bool, False: a pad), the
     latter two [B or 1, L], this rank's slice in the same layout as q; `seq_idx` [B or 1, L]:
     explicit documents (the document-balanced layout), the window then measured on position_ids. The ring then runs

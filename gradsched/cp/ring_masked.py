@@ -1,4 +1,4 @@
-"""The ring with masks: sliding windows, packed documents and padding (see gradsched.cp.masks).
+"""The ring with masks: sliding windows, packed documents and padding (see gradsched.cp.attention_masks).
 
 What a block of (local row chunk, visiting K/V chunk) sees follows from two things:
 - the layout and the window, known when the graph is built: a block is `empty` (every key
@@ -39,7 +39,7 @@ import torch
 
 from gradsched.cp.attention_kernels import attend, attend_backward, dq_tile, upcast_operands
 from gradsched.cp.layout import layout_order, rank_chunks
-from gradsched.cp.masks import token_masks, visible
+from gradsched.cp.attention_masks import token_masks, visible
 from gradsched.cp.ring_blocks import (add_kv_grads, expand_heads, flat_kv, merge_block, pop_kv_grads, reduce_heads,
                                       unflat_kv, unflat_kv_grads)
 from gradsched.cp.keep import Uses, anchored

@@ -12,7 +12,7 @@ import torch
 from gradsched.cp.ring_blocks import (backward_window, finish_forward, forward_window, pop_kv_grads, row_chunks,
                                       rows_for_backward, unflat_kv_grads)
 from gradsched.cp.layout import shard, unshard
-from gradsched.cp.masks import check_mask_args, normalize_masks
+from gradsched.cp.attention_masks import check_mask_args, normalize_masks
 from gradsched.cp.comm import check_attention_call, check_masked_call, unsupported
 from gradsched.cp.ring_masked import MaskedRing, natural_tokens
 from gradsched.cp.ring_masked import rank_backward as masked_backward
@@ -165,7 +165,7 @@ def simulate_ring(q, k, v, cp: int, causal: bool = False, accumulate: str = "fp3
     q, k, v (and grad_out) cover the whole sequence in natural order ([B, H, S, D]); they
     are cut into the cp_layout shards, every rank's steps run in turn, and the results
     are put back in natural order. Masks (window, position_ids, key_padding, seq_idx:
-    gradsched.cp.masks) over the whole sequence in sequence order run the masked ring
+    gradsched.cp.attention_masks) over the whole sequence in sequence order run the masked ring
     (gradsched.cp.ring_masked).
     """
     if scale is None:

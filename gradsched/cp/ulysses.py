@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from gradsched.cp.layout import layout_order
-from gradsched.cp.masks import visible
+from gradsched.cp.attention_masks import visible
 from gradsched.cp.ring_masked import gather_tokens
 
 _c10d = torch.ops._c10d_functional
@@ -104,7 +104,7 @@ def ulysses_attention(q, k, v, group_name: str, cp: int, *, causal: bool, scale:
                       key_padding=None, seq_idx=None) -> torch.Tensor:
     """q: [B, Hq, L, D], k/v: [B, Hkv, L, D], this rank's tokens in the cp_layout order; returns
     out [B, Hq, L, Dv] in the same order. A window, documents (position_ids) or padding
-    (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.cp.masks)."""
+    (key_padding), each rank's slice as q, become the whole sequence's mask (gradsched.cp.attention_masks)."""
     mask = None
     if window is not None or position_ids is not None or key_padding is not None or seq_idx is not None:
         seq = q.shape[2] * cp

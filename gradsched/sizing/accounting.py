@@ -41,7 +41,8 @@ def by_group(tally: dict, plan, pm) -> dict:
 
 def verdict(sync, built) -> str:
     """The verifier over this stage's sync graphs, each tie checked with every holding stage's layout."""
-    from gradsched.passes import TieCheck, TieLayout, verify_graph
+    from gradsched.passes import TieCheck, TieLayout
+    from gradsched.sync import pass_pipeline
     layouts = {}
     for other in built:
         plan = other.sync_plan
@@ -55,7 +56,8 @@ def verdict(sync, built) -> str:
         ties = {n: t for n, t in sync.setup.ties.items() if n in names}
         checks = [TieCheck(t.key, sync.sync_plan.tie_groups[t.key].name, sg.record.sources[n], layouts[t.key], {})
                   for n, t in sorted(ties.items(), key=lambda kv: kv[1].key)]
-        v = verify_graph(sg.gm, checks, sync.setup.rank)
+        v = pass_pipeline.run("checked", sg.gm, pass_pipeline.Conditions.of(sync.options),
+                              {"verify_graph": (checks, sync.setup.rank)})["verify_graph"]
         if not v.ok:
             lines.append(f"{sg.where} graph: HAZARD: " + " ".join(v.hazards))
         else:

@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 
-from gradsched.sizing.report import parse_bytes
+from gradsched.sizing.dryrun_text import parse_bytes
 
 POSITIVE = ("pp", "dp", "cp", "seq", "batch", "microbatches", "gpus", "global_batch", "top", "jobs")
 

@@ -8,7 +8,7 @@ import time
 import torch
 
 from gradsched.sizing import fit, fit_probes
-from gradsched.sizing.report import parse_bytes, size
+from gradsched.sizing.dryrun_text import parse_bytes, size
 from gradsched.training.live_bytes import RUNTIME
 
 

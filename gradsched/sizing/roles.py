@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_leaves
 
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, rank_actions, schedule_order
+from gradsched.training.pipeline_schedule import CUT_BACKWARD, rank_actions, schedule_order
 
 
 @dataclass
@@ -77,7 +77,7 @@ def run_schedule(pm, inputs, targets, stage: int, pp: int, m: int, live):
     peak above that many bytes per micro-batch in flight at its start (see Role.accumulating), and the most a B
     left alive for its W (Role.stash)."""
     outs, pending, saved, above, weights, stash = [None] * m, {}, None, [], {}, 0
-    last, split = stage == pp - 1, pm.schedule_name in SPLIT_BACKWARD
+    last, split = stage == pp - 1, pm.schedule_name in CUT_BACKWARD
     if pp > 1:
         pm.grad_sync.begin_step()
     for kind, i in schedule_order(stage, pp, m, pm.schedule_name):
@@ -129,7 +129,7 @@ def run_rank_schedule(pm, inputs: dict, targets, rank: int, m: int, live):
     what `live` held after the rank's first forward, each backward's peak above the micro-batches in flight at its
     start, and the most a B left alive for its W."""
     compiled = {s: c for s, c, _ in pm.stages}
-    last, split = pm.num_stages - 1, pm.schedule_name in SPLIT_BACKWARD
+    last, split = pm.num_stages - 1, pm.schedule_name in CUT_BACKWARD
     outs, pending, weights = {s: [None] * m for s in compiled}, {}, {}
     saved, above, stash = None, [], 0
     pm.grad_sync.begin_step()

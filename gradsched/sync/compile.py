@@ -10,8 +10,9 @@ import torch
 import torch.fx as fx
 from torch._functorch.aot_autograd import make_boxed_func
 
-from gradsched.passes.defer_waits import defer_waits
-from gradsched.sync.agreement import settling, with_agreement
+from gradsched.sync import pass_pipeline
+from gradsched.sync.agreement_check import agreement_spec, publish, settling
+from gradsched.sync.pass_pipeline import Later
 
 
 # Inductor's own comm scheduling (torch/_inductor/comms.py), for graphs that reduce gradients:
@@ -29,14 +30,19 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compiler: str, comm_overla
     """Boxed callable (takes one list of tensors). compiler: "inductor" | "eager".
     comm_overlap: schedule the graph's collectives early and their waits late (Inductor).
     agree: the graph's name in messages; each run then agrees with the peers on each group's collectives
-    (gradsched.sync.agreement), on a copy: `gm` stays the graph gradsched built.
+    (gradsched.sync.agreement_check), on a copy: `gm` stays the graph gradsched built.
     defer: the graph returns its reductions in flight, their inputs appended (passes/defer_waits.py), on a copy."""
-    if agree is not None:
-        return settling(compile_graph(with_agreement(gm, agree), example_inputs, compiler, comm_overlap, defer=defer))
-    if defer:
+    if agree is not None or defer:
+        # the pass pipeline's entries for the compiled copy (gm stays the graph gradsched built)
         copy = fx.GraphModule(gm, gm.graph.__deepcopy__())
         copy.meta.update(gm.meta)
-        return compile_graph(defer_waits(copy)[0], example_inputs, compiler, comm_overlap)
+        conditions = pass_pipeline.Conditions(check_ranks=agree is not None, where="early" if defer else "")
+        specs = {"insert_agreement": Later(lambda _: agreement_spec(copy)), "defer_waits": None}
+        records = pass_pipeline.run("compiled", copy, conditions, specs, what=agree or "an early graph")
+        if "insert_agreement" in records:
+            publish(records["insert_agreement"], agree)
+        fn = compile_graph(copy, example_inputs, compiler, comm_overlap)
+        return settling(fn) if agree is not None else fn
     if compiler == "eager":
         from gradsched.user_errors import remember_graph
         remember_graph(gm)  # its errors can then name the user's line

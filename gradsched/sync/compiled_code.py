@@ -26,7 +26,7 @@ _ALIAS = re.compile(r"^\s*(\w+) = (\w+); del \w+")
 @dataclass(frozen=True)
 class Event:
     line: int  # index among the lines of call()
-    kind: str  # "collective" | "wait" | "compute" | "agreement" (gradsched.sync.agreement's gather, its wait)
+    kind: str  # "collective" | "wait" | "compute" | "agreement" (gradsched.sync.agreement_check's gather, its wait)
     op: str
     buffer: str = ""  # a collective's input (a wait's argument)
     group: str = ""  # a collective's group name

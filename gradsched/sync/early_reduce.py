@@ -2,7 +2,7 @@
 
 Under a zero-bubble schedule (B and W, gradsched.sync.runtime) with several stages a rank, a stage graph's
 gradients are final once its last micro-batch's W has run, while the rank's other stages still compute: in a V,
-rank 0's last stage finishes long before its first. The rank's plan (stage_build.build_union, from the order
+rank 0's last stage finishes long before its first. The rank's plan (rank_stages.build_union, from the order
 the stage graphs finished on the first step) puts each bucket whose every gradient is final at such a point in
 that point's early graph ("early{j}"). `finished` runs it right there, after the W whose gradients it reads
 (a data dependence through .grad), and does not wait: its reduce-scatters fly while the remaining B and W run.

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from gradsched.sync import agreement
+from gradsched.sync import agreement_check
 from gradsched.sync.param_shards import all_gather
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
@@ -252,7 +252,7 @@ def check(sync, on_nonfinite: str) -> bool:
     if own is not None:
         verdict = verdict + own
     bad = not bool(torch.isfinite(verdict))  # the step's one host read of a device value
-    agreement.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
+    agreement_check.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if not bad:
         return True
     if on_nonfinite == "skip":

@@ -196,7 +196,7 @@ class HostWatchedStore:
 
 
 # functions(store or None) -> (exception class, message) or None: a cause of failed or stalled collectives that
-# this rank already knows without waiting (gradsched.sync.agreement registers the ranks' differing graphs)
+# this rank already knows without waiting (gradsched.sync.agreement_check registers the ranks' differing graphs)
 KNOWN_CAUSES: list = []
 
 

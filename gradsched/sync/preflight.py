@@ -20,10 +20,10 @@ import json
 import os
 import warnings
 
-from gradsched.passes import GradSpec, TieCheck, TieLayout, verify_graph
+from gradsched.passes import GradSpec, TieCheck, TieLayout
 from gradsched.passes.verify import TiedGradientHazard, Verdict, graph_to_json
 
-from gradsched.sync import fingerprint
+from gradsched.sync import fingerprint, pass_pipeline
 from gradsched.options import SyncOptions
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_plan import SyncPlan
@@ -70,7 +70,8 @@ def check_sync_graph(setup: StageSetup, plan: SyncPlan, graph, params: dict, opt
     checks = [TieCheck(t.key, plan.tie_groups[t.key].name, graph.record.sources[n],
                        [layouts[t.key]] + peers.get(t.key, []), sequences.get(t.key, {}))
               for n, t in sorted(ties.items(), key=lambda kv: kv[1].key)]
-    verdict = verify_graph(graph.gm, checks, setup.rank)
+    verdict = pass_pipeline.run("checked", graph.gm, pass_pipeline.Conditions.of(options),
+                                {"verify_graph": (checks, setup.rank)})["verify_graph"]
     if options.dump_dir:
         os.makedirs(options.dump_dir, exist_ok=True)
         suffix = "" if len(plan.graphs) == 1 else f".{graph.where}"

@@ -11,18 +11,19 @@ What it runs, per step:
                  of the buckets placed there, fed the accumulated gradients. Which backward is
                  the last is said by the driver (`step_boundary`), from the schedule, never counted;
   the flush      after the pipeline schedule has drained, the graph reducing the buckets placed
-                 there (the tied ones under placement="split").
-  B and W        under a zero-bubble schedule (split_backward=True) each backward runs as B, the
+                 there (the tied ones under placement="tied_at_flush").
+  B and W        under a zero-bubble schedule (cut_backward=True) each backward runs as B, the
                  inputs' gradients, returned at once (the previous stage waits for them), and W, the
                  weights' gradients, queued for the schedule to run later (`take_w`): W accumulates in
                  .grad, and the last micro-batch's W (which must run after every other) reduces.
   several stages a rank (`canonical` given): every backward of every stage graph accumulates in .grad
                  (whole, or B then W), planned over every stage graph's gradients once each has compiled
-                 (stage_build.build_union); the flush reduces the rank's buckets, but under B and W those
+                 (rank_stages.build_union); the flush reduces the rank's buckets, but under B and W those
                  final before its last stage's W, reduced as they become so (gradsched.sync.early_reduce).
 
 Before a graph's first collective it runs that graph's checks (gradsched.sync.preflight). The reduced
-buckets of the step wait in `results` for the optimizer.
+buckets of the step wait in `results` for the optimizer, which reads them through StageResults
+(gradsched.sync.stage_results).
 """
 from __future__ import annotations
 
@@ -33,23 +34,24 @@ import torch.fx as fx
 
 from gradsched.passes.verify import Verdict
 
-from gradsched.sync import report
 from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
-from gradsched.sync.stage_build import (BuiltStage, SplitFns, StagePart, SyncGraph, build_forward, build_part,
-                                       build_stage, build_union)
-from gradsched.sync.stage_setup import StageSetup, process_group
+from gradsched.sync.rank_stages import StagePart, build_part, build_union
+from gradsched.sync.stage_build import BuiltStage, Halves, SyncGraph, build_forward, build_stage
+from gradsched.sync.grad_values import accumulate, grad_or_zeros, own
+from gradsched.sync.stage_results import StageResults
+from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.early_reduce import EarlyReductions
 from gradsched.sync.nonfinite import StepFlags
-from gradsched.sync.owners import all_inside, attach, mark_sharded
+from gradsched.sync.owners import attach, mark_sharded
 from gradsched.sync.watchdog import JOURNAL
 
 
-class GradSync:
+class GradSync(StageResults):
     def __init__(self, setup: StageSetup, options: SyncOptions, explicit_steps: bool = False,
-                 split_backward: bool = False, canonical: dict[str, str] | None = None):
+                 cut_backward: bool = False, canonical: dict[str, str] | None = None):
         self.setup, self.options = setup, options
-        self.split_backward = split_backward
+        self.cut_backward = cut_backward
         # several stages a rank: a parameter name of a stage graph -> the rank's name for it (a tie merged on the
         # rank is one Parameter under its first copy's name); None: one stage graph
         self.canonical = canonical
@@ -97,7 +99,7 @@ class GradSync:
         if self.canonical is not None:
             return self._register_part(bw_gm, example_inputs, grad_names, params)
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
-                            self.param_shards, param_names, split=self.split_backward)
+                            self.param_shards, param_names, zero_bubble=self.cut_backward)
         self.built = built
         attach(self, params.values())
         if self.options.shard:
@@ -108,11 +110,11 @@ class GradSync:
 
         def plain(args):  # earlier micro-batches (or every one, with nothing to reduce here): autograd accumulates
             self.backward_calls += 1
-            if built.plain_split is not None:
-                rec = built.plain_split.record
-                return self._defer_w(built.plain_split, list(args) + shards(),
+            if built.plain_halves is not None:
+                rec = built.plain_halves.record
+                return self._defer_w(built.plain_halves, list(args) + shards(),
                                      len(rec.input_outputs) + len(rec.weight_outputs),
-                                     lambda grads: _accumulate(grads, built.grad_names, params))
+                                     lambda grads: accumulate(grads, built.grad_names, params))
             return built.plain(list(args) + shards())
         plain._boxed_call = True
         if sg is None:
@@ -124,11 +126,11 @@ class GradSync:
             self.backward_calls += 1
             self._check_once(sg)
             record = sg.record
-            if sg.split is not None:
-                return self._defer_w(sg.split, list(args) + shards(), record.n_outputs,
+            if sg.halves is not None:
+                return self._defer_w(sg.halves, list(args) + shards(), record.n_outputs,
                                      lambda grads: self._reduced(sg, grads, params),
-                                     lambda: [_grad_or_zeros(params[n]) for n in record.acc_inputs])
-            acc = [_grad_or_zeros(params[n]) for n in record.acc_inputs]
+                                     lambda: [grad_or_zeros(params[n]) for n in record.acc_inputs])
+            acc = [grad_or_zeros(params[n]) for n in record.acc_inputs]
             outs = list(sg.fn(list(args) + shards() + acc))
             for n in record.acc_inputs:
                 params[n].grad = None  # consumed: the reduced gradient replaces it
@@ -148,7 +150,7 @@ class GradSync:
             raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
                                f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
                                "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
-        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.split_backward)
+        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward)
         index = next(  # a stage graph compiled again keeps its place in the order the parts finish
             (i for i, q in enumerate(self.parts) if q.params.keys() == params.keys()), len(self.parts))
         self.parts.append(part)
@@ -157,7 +159,7 @@ class GradSync:
             mark_sharded(params.values())
 
         def finish(grads, last: bool):
-            _accumulate(grads, part.grad_names, params)
+            accumulate(grads, part.grad_names, params)
             self._part_w[index] -= 1
             if last:  # this part's gradients are final: early reductions of its point go now
                 if self._part_w[index]:
@@ -167,17 +169,17 @@ class GradSync:
 
         def backward(args):
             self.backward_calls += 1
-            if part.plain_split is not None:
-                rec, last = part.plain_split.record, self._ends_step()
+            if part.plain_halves is not None:
+                rec, last = part.plain_halves.record, self._ends_step()
                 self._part_w[index] = self._part_w.get(index, 0) + 1
-                return self._defer_w(part.plain_split, list(args), len(rec.input_outputs) + len(rec.weight_outputs),
+                return self._defer_w(part.plain_halves, list(args), len(rec.input_outputs) + len(rec.weight_outputs),
                                      lambda grads: finish(grads, last))
             return part.plain(list(args))
         backward._boxed_call = True
         return backward
 
     # ---- B now, W later (a zero-bubble schedule) ----------------------------------------------
-    def _defer_w(self, fns: SplitFns, args: list, n_outputs: int, finish, late=list) -> list:
+    def _defer_w(self, fns: Halves, args: list, n_outputs: int, finish, late=list) -> list:
         """Run B on `args` (the graph's inputs but those `late` gives when W runs: the gradients accumulated
         so far); queue W, whose outputs (position -> gradient) go to `finish`. Returns the backward's first
         `n_outputs` outputs: the inputs' gradients, None where W's will be (autograd accumulates nothing)."""
@@ -195,7 +197,7 @@ class GradSync:
                 full = {**kept, **dict(enumerate(late(), start=n_args))}
                 ins = stash + [full[i] for i in rec.w_inputs]
                 with torch.no_grad():  # as inside autograd's backward: saved inputs may require grad
-                    outs = _own(fns.w(ins), ins)
+                    outs = own(fns.w(ins), ins)
                 finish(dict(zip(rec.weight_outputs, outs)))
             finally:
                 self._w_outstanding -= 1
@@ -236,7 +238,7 @@ class GradSync:
         record = sg.record
         for n in record.acc_inputs:
             params[n].grad = None  # consumed: the reduced gradient replaces it
-        _accumulate({i: g for i, g in grads.items() if i < record.n_outputs}, self.built.grad_names, params)
+        accumulate({i: g for i, g in grads.items() if i < record.n_outputs}, self.built.grad_names, params)
         buckets = [grads[i] for i in sorted(grads) if i >= record.n_outputs]
         self.results.update(zip((b.index for b in sg.layout.buckets), buckets))
         if "flush" not in self.built.graphs:
@@ -245,7 +247,7 @@ class GradSync:
     # ---- the flush ---------------------------------------------------------------------------
     def flush(self) -> None:
         """Reduce what waits for the end of the step (every bucket under placement='flush', the tied
-        ones under 'split'); call once per step, after the schedule. Nothing to do otherwise."""
+        ones under 'tied_at_flush'); call once per step, after the schedule. Nothing to do otherwise."""
         if self._w_outstanding:
             raise RuntimeError(f"gradsched: the step ended with {self._w_outstanding} weight-gradient (W) "
                                "computations never run: the schedule must run every W it queued.")
@@ -267,7 +269,7 @@ class GradSync:
             grads = [built.params[n] for n in sg.inputs]
             with JOURNAL.entry(f"the flush graph of stage {self.setup.stage} (tied all-reduce, then the reduction "
                                f"of buckets {[b.index for b in sg.layout.buckets]})"):
-                outs = list(sg.fn([_grad_or_zeros(p) for p in grads]))
+                outs = list(sg.fn([grad_or_zeros(p) for p in grads]))
             self.results.update(zip((b.index for b in sg.layout.buckets), outs if built.plan.shard else outs[len(grads):]))
             for i, p in enumerate(grads):  # shard: the shards are the gradients now (.grad would be stale); else
                 p.grad = None if built.plan.shard else outs[i]  # each .grad is its view of the reduced bucket
@@ -280,78 +282,6 @@ class GradSync:
             b = self.built
             self.verdicts[sg.where] = check_sync_graph(self.setup, b.plan, sg, b.params, self.options)
 
-    # ---- for the optimizer, the report and the tests ----------------------------------------
-    def _require_built(self) -> BuiltStage:
-        if self.built is None:
-            raise RuntimeError("gradsched: no backward graph has been compiled for this stage yet: run a "
-                               "forward and backward first.")
-        return self.built
-
-    @property
-    def sync_plan(self):
-        """The stage's SyncPlan (None before its backward graph is compiled)."""
-        return None if self.built is None else self.built.plan
-
-    @property
-    def params(self) -> dict[str, torch.nn.Parameter]:
-        """The stage's trained parameters by name, as the plan names them."""
-        return self._require_built().params
-
-    def full_parameters(self) -> dict[str, torch.Tensor]:
-        """The stage's parameters by name, whole and detached. Under shard="params" they are gathered from
-        the shards into new tensors (a collective: every rank of the gradient group calls it), since the
-        parameters' own storage is released."""
-        if self.param_shards is None:
-            return {n: p.detach() for n, p in self.params.items()}
-        return self.param_shards.gathered(process_group(self.setup.grad_group))
-
-    @property
-    def ties(self) -> dict:
-        return self.setup.ties
-
-    def reduced(self) -> list[torch.Tensor]:
-        """This step's reduced buckets (shards, or whole buckets with shard=False) in layout order;
-        shorter until every graph of the step has run."""
-        return [self.results[b.index] for b in self._require_built().plan.layout.buckets if b.index in self.results]
-
-    def reduced_storage(self) -> list[torch.Tensor]:
-        """The fewest tensors holding this step's reduced gradients, each element once: the reduced buckets
-        (shards, or whole buckets where every .grad is a view of one: shard=False), else `gradients()`."""
-        buckets = self.reduced()
-        if len(buckets) != len(self._require_built().plan.layout.buckets):
-            return self.gradients()
-        if self.built.plan.shard:
-            return buckets
-        grads = self.gradients()
-        return buckets if all_inside(grads, buckets) else grads
-
-    def gradients(self) -> list[torch.Tensor]:
-        """The tensors holding this step's reduced gradients, each element once: the reduced shards (shard=True or
-        "params"), else each parameter's .grad (views of the all-reduced buckets)."""
-        if self._require_built().plan.shard:
-            return self.reduced()
-        return [p.grad for p in self.params.values() if p.grad is not None]
-
-    def clear_results(self) -> None:
-        """The optimizer has consumed this step's reduced buckets."""
-        self.results.clear()
-
-    def sync_graphs(self) -> list[SyncGraph]:
-        """The built sync graphs, in run order: the backward's or the early ones, then the flush's."""
-        graphs = self._require_built().graphs
-        return [graphs[w] for w in sorted(graphs, key=lambda w: (w == "flush", len(w), w))]
-
-    def schedule_report(self) -> str:
-        b = self._require_built()
-        local = {}
-        for name, kept in (self.canonical or {}).items():
-            local.setdefault(kept, [kept]).extend([name] if name != kept else [])
-        return (report.schedule_report(self.setup, b.plan, self.sync_graphs(), self.verdicts, self.options,
-                                       list(local.values()))
-                + report.attention_report(self.attention_reports))
-
-    def tied_bytes_per_step(self) -> int:
-        return sum(report.tied_bytes(sg.gm) for sg in self.sync_graphs())
 
 class _StepBoundary:
     """GradSync.step_boundary's context (a plain class: entered once a micro-batch under pp > 1, where a generator's
@@ -368,33 +298,3 @@ class _StepBoundary:
     def __exit__(self, *exc):
         self.sync._last_microbatch = self.before
         return False
-
-
-def _accumulate(grads: dict, names: dict, params: dict) -> None:
-    """Add W's gradients (output position -> tensor) into their parameters' .grad, as autograd would."""
-    for i, g in grads.items():
-        if g is None or i not in names:
-            continue
-        p = params[names[i]]
-        if p.grad is None:
-            p.grad = g
-        else:
-            p.grad += g
-
-
-def _own(outputs, inputs) -> list:
-    """W's outputs as tensors .grad may own (autograd's AccumulateGrad copies a gradient others hold): a copy of
-    one that is (a view of) an input, or that an earlier output already is (two parameters' gradients one node)."""
-    owned, seen = [], set()
-    for g in outputs:
-        if g is not None and (g._is_view() or id(g) in seen or any(g is a for a in inputs)):
-            g = g.clone()
-        if g is not None:
-            seen.add(id(g))
-        owned.append(g)
-    return owned
-
-
-def _grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
-    return p.grad if p.grad is not None else torch.zeros_like(p)
-

@@ -25,7 +25,7 @@ class StageSetup:
     stage: int
     rank: int
     where: str  # the plan's coordinates of this rank, for messages and the report
-    placement: str  # resolved: "split" | "backward" | "flush"
+    placement: str  # resolved: "tied_at_flush" | "backward" | "flush"
     grad_group: Group  # the stage's dp x cp ranks: gradients are reduced here
     all_ranks: Group  # every rank of the plan: a global gradient norm is summed here
     tie_groups: dict  # tie key -> Group summing this stage's copy with the other stages'
@@ -34,16 +34,16 @@ class StageSetup:
 
 
 def resolve_placement(placement: str, pp: int, has_ties: bool) -> str:
-    """auto: 'backward' at pp=1 (the reductions overlap the backward), 'split' at pp > 1. 'backward'
+    """auto: 'backward' at pp=1 (the reductions overlap the backward), 'tied_at_flush' at pp > 1. 'backward'
     with a tie across stages is refused: a stage's backward would wait on another stage before
     sending its input gradient, which deadlocks."""
     if placement == "auto":
-        placement = "backward" if pp == 1 else "split"
+        placement = "backward" if pp == 1 else "tied_at_flush"
     if placement == "backward" and has_ties:
         raise ValueError(
             "placement='backward' with weights tied across pipeline stages would deadlock: a stage's "
             "backward would wait on the other stage before sending its input gradient. Use "
-            "placement='split' (the default for pp > 1: only the tied buckets wait for the flush) or 'flush'.")
+            "placement='tied_at_flush' (the default for pp > 1: only the tied buckets wait for the flush) or 'flush'.")
     return placement
 
 

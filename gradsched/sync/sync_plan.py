@@ -39,15 +39,19 @@ class SyncPlan:
     grad_group: Group
     tie_groups: dict  # tie key -> Group
     ties: dict  # parameter name -> tie key (this stage's tied copies)
-    placement: str  # resolved: "split" | "backward" | "flush"
+    placement: str  # resolved: "tied_at_flush" | "backward" | "flush"
     mode: str
-    shard: bool
+    shard: bool | str  # the option: False (all-reduce), True (reduce-scatter), "params" (the parameters too)
     average: bool
     gather_dtypes: tuple[torch.dtype, ...]  # per bucket: the dtype its parameters are all-gathered in
-    params_sharded: bool = False  # shard="params": the parameters live as shards of their buckets
     # sharded, over every rank of the plan, no fp16 bucket: a non-finite local gradient spreads over its bucket
     # before the reduction (passes/grad_sync.py), so each rank's own shards flag any rank's (nonfinite.reduced_alike)
     spread_nonfinite: bool = False
+
+    @property
+    def params_sharded(self) -> bool:
+        """shard="params": the parameters live as shards of their buckets."""
+        return self.shard == "params"
 
     def spec(self, where: str, grad_outputs: dict[str, int], accumulate: bool) -> SyncSpec:
         """The grad-sync pass's input for graph `where` (an early graph's reductions are waited for outside it,
@@ -55,7 +59,7 @@ class SyncPlan:
         return SyncSpec(layout=self.graphs[where], grad_outputs=grad_outputs, group=self.grad_group.name,
                         group_size=len(self.grad_group.ranks), shard_rank=self.grad_group.index,
                         tie_groups={k: g.name for k, g in self.tie_groups.items()}, mode=self.mode,
-                        shard=self.shard, average=self.average, accumulate=accumulate,
+                        shard=bool(self.shard), average=self.average, accumulate=accumulate,
                         chain=not where.startswith("early"), spread_nonfinite=self.spread_nonfinite)
 
     def names(self, where: str) -> set[str]:
@@ -73,7 +77,7 @@ class SyncPlan:
                 "tie_groups": {k: list(g.ranks) for k, g in sorted(self.tie_groups.items())},
                 "buckets": self.layout.describe(),
                 "graphs": {w: [b.index for b in part.buckets] for w, part in sorted(self.graphs.items())},
-                "gather_dtypes": [str(d) for d in self.gather_dtypes], "params_sharded": self.params_sharded,
+                "gather_dtypes": [str(d) for d in self.gather_dtypes],
                 "spread_nonfinite": self.spread_nonfinite}
 
     def fingerprint(self) -> str:
@@ -102,8 +106,8 @@ def plan_sync(ready: list[GradSpec], options: SyncOptions, *, stage: int, rank: 
     # not with fp16 buckets: a sum of finite fp16 gradients overflows, on the shard holding it alone
     spread = bool(options.shard) and every_rank and all(b.dtype != torch.float16 for b in layout.buckets)
     return SyncPlan(stage, rank, tuple(ready), layout, place_buckets(layout, placement), grad_group,
-                    dict(tie_groups), dict(ties), placement, options.mode, bool(options.shard), options.average, gather,
-                    options.shard == "params", spread)
+                    dict(tie_groups), dict(ties), placement, options.mode, options.shard, options.average, gather,
+                    spread)
 
 
 def plan_layout(ready: list[GradSpec], options: SyncOptions, shards: int, ties: dict[str, str]) -> BucketLayout:

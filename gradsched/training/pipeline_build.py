@@ -23,7 +23,7 @@ from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.ties import check_one_copy_per_stage, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
 from gradsched.training.model_state import ModelState
-from gradsched.training.pipeline_schedule import SPLIT_BACKWARD, pipeline_schedule
+from gradsched.training.pipeline_schedule import CUT_BACKWARD, pipeline_schedule
 from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, check_stage_count,
                                                checkpoint_stage_modules, checkpointed_calls, hf_checkpointed_layers,
                                                pass_through_skips, release_other_stages, warn_checkpointing_dropped)
@@ -37,7 +37,7 @@ class Staging:
     """How the model is cut: the schedule, the stages a rank holds and where they begin."""
     schedule: str
     stages_per_rank: int
-    placement_style: str  # virtual_stages' placement of a rank's stages ("loop" or "v")
+    assignment_style: str  # virtual_stages' assignment of a rank's stages ("loop" or "v")
     split_points: tuple[str, ...]
     num_stages: int  # pp x stages_per_rank
 
@@ -134,7 +134,7 @@ def compile_split(state: ModelState, staging: Staging, split: Split, compile_wit
         state.stage_module = modules[state.local[0]]
         state.grad_sync = _grad_sync(state, staging, split.ties)
     else:
-        ranks = stage_ranks(state.plan.pp, staging.stages_per_rank, staging.placement_style)
+        ranks = stage_ranks(state.plan.pp, staging.stages_per_rank, staging.assignment_style)
         across, merged = merge_local_ties(modules, split.ties, ranks)
         state.stage_module = RankStages([modules[s] for s in state.local])
         state.grad_sync = _grad_sync(state, staging, across, canonical={n: names[0] for names in merged for n in names})
@@ -158,7 +158,7 @@ def start_pipeline(state: ModelState, staging: Staging, built: Built, values: St
 def _grad_sync(state: ModelState, staging: Staging, ties, **kw) -> GradSync:
     setup = setup_stage(state.plan, state.options, ties, aliases=state.within_module_ties)
     # the step driver marks each step's last micro-batch
-    return GradSync(setup, state.options, explicit_steps=True, split_backward=staging.schedule in SPLIT_BACKWARD, **kw)
+    return GradSync(setup, state.options, explicit_steps=True, cut_backward=staging.schedule in CUT_BACKWARD, **kw)
 
 
 def _stage_loss(stage_module, loss_fn, args, target, keep, weight):

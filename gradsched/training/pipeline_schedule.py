@@ -5,13 +5,13 @@
     "zb1p"            ScheduleInterleavedZeroBubble (ZB-H1, arXiv 2401.10241): each backward runs as B, the
                       inputs' gradients, at once, and W, the weights', where the schedule puts it (in the
                       bubble). B and W are gradsched's compiled halves of the backward graph
-                      (passes/split_backward.py, gradsched.sync.runtime); torch's own split runs eager
+                      (passes/cut_backward.py, gradsched.sync.runtime); torch's own split runs eager
                       autograd twice and refuses compiled stages. stages_per_rank stages a rank (looped)
     "interleaved_1f1b" ScheduleInterleaved1F1B (Megatron's virtual stages): stages_per_rank (>= 2) stages a
                       rank, looped (rank r holds r, r + pp, ...)
     "zbv"             ScheduleZBVZeroBubble: two stages a rank in a V (rank r holds r and 2 pp - 1 - r: the
                       first and the last on rank 0, a tie between them one Parameter), B and W as zb1p's
-    "dualpipev"       ScheduleDualPipeV (DeepSeek's DualPipe, as a V): zbv's placement; a forward of one
+    "dualpipev"       ScheduleDualPipeV (DeepSeek's DualPipe, as a V): zbv's assignment of stages; a forward of one
                       micro-batch beside a whole backward of another in its middle phase, each run in turn
                       (overlapping their compute and communication is left to the device: one stream here)
 
@@ -28,7 +28,7 @@ import torch.nn as nn
 from gradsched.sync import nonfinite
 
 SCHEDULES = ("auto", "1f1b", "gpipe", "zb1p", "interleaved_1f1b", "zbv", "dualpipev")
-SPLIT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # schedules that run each backward as B and W (gradsched.sync.runtime)
+CUT_BACKWARD = ("zb1p", "zbv", "dualpipev")  # schedules that run each backward as B and W (gradsched.sync.runtime)
 MULTI_STAGE = ("zb1p", "interleaved_1f1b", "zbv", "dualpipev")  # schedules that take several stages a rank
 V_SHAPED = ("zbv", "dualpipev")  # two stages a rank in a V: rank r holds stages r and 2 pp - 1 - r
 
@@ -65,7 +65,7 @@ def pipeline_schedule(name: str, stages: list, num_stages: int, plan, sync, m: i
     from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleDualPipeV, ScheduleGPipe,
                                               ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                               ScheduleZBVZeroBubble)
-    split = name in SPLIT_BACKWARD
+    split = name in CUT_BACKWARD
 
     class Stage(PipelineStage):
         # the schedule says which backward is the step's last (never counted: pipelining
@@ -177,7 +177,7 @@ def resolve_schedule(schedule: str, pp: int, m: int) -> str:
     return schedule
 
 
-def stage_placement(schedule: str, stages_per_rank: int | None) -> tuple[int, str]:
+def stage_assignment(schedule: str, stages_per_rank: int | None) -> tuple[int, str]:
     """(stages a rank, their placement: "loop" or "v"; gradsched.training.virtual_stages) for a resolved
     schedule, or ValueError saying what to change."""
     if schedule in V_SHAPED:
@@ -200,7 +200,7 @@ def schedule_order(stage: int, pp: int, m: int, schedule: str) -> list[tuple[str
     """The stage's forwards ("F", i) and backwards ("B", i) in the order torch's schedule runs them: GPipe
     all forwards first; 1F1B min(m, pp - stage) forwards, then one backward and one forward in turn; zero bubble
     (ZB-H1) torch's own order, its backwards split into ("B", i), the inputs' gradients, and ("W", i), the weights'."""
-    if schedule in SPLIT_BACKWARD:
+    if schedule in CUT_BACKWARD:
         return _zero_bubble_order(stage, pp, m)
     if schedule == "gpipe":
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
@@ -231,7 +231,7 @@ def rank_actions(schedule: str, rank: int, pp: int, v: int, m: int) -> list[tupl
     order.num_stages = order._num_stages = pp * v
     order.number_of_rounds = max(1, m // pp)
     order.microbatches_per_round = m // order.number_of_rounds
-    split = schedule in SPLIT_BACKWARD
+    split = schedule in CUT_BACKWARD
     kinds = {C.FORWARD: "F", C.BACKWARD_INPUT: "B", C.BACKWARD_WEIGHT: "W", C.FULL_BACKWARD: "BW" if split else "B"}
     out = []
     for a in order._calculate_single_rank_operations(rank):

@@ -1,4 +1,4 @@
-"""Split points that balance the pipeline's ranks, from each piece's measured time, for a placement of stages.
+"""Split points that balance the pipeline's ranks, from each piece's measured time, for an assignment of stages to ranks.
 
     balanced_split_points(model, example, target, loss_fn, candidates, pp, schedule) -> split_points
 
@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.training.pipeline_split import check_stage_count, pass_through_skips
-from gradsched.training.pipeline_schedule import SCHEDULES, stage_placement
+from gradsched.training.pipeline_schedule import SCHEDULES, stage_assignment
 from gradsched.training.virtual_stages import stage_ranks
 
 EXHAUSTIVE = 200_000  # cuts tried one by one up to this many; past it, the largest stage is minimised (exactly)
@@ -48,7 +48,7 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
     if isinstance(candidates, str) or not all(isinstance(c, str) for c in candidates):
         raise ValueError(f"balanced_split_points: candidates={candidates!r}: a list of module names, e.g. "
                          "['blocks.1', 'blocks.2'].")
-    v, style = stage_placement(schedule, stages_per_rank)
+    v, style = stage_assignment(schedule, stages_per_rank)
     ranks = stage_ranks(pp, v, style)
     if len(candidates) < len(ranks) - 1:
         raise ValueError(f"{len(candidates)} candidate split points cannot make {len(ranks)} stages "

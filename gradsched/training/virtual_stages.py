@@ -99,5 +99,5 @@ def refuse_with_several_stages(options, plan) -> None:
     if why is not None:
         raise ValueError(f"several pipeline stages a rank (interleaved_1f1b, zbv, dualpipev, zb1p with stages_per_rank > 1) do "
                          f"not run with {why} yet: use shard=True or False and "
-                         "placement 'auto', 'split' or 'flush' (every bucket is reduced in the flush), or one stage a "
+                         "placement 'auto', 'tied_at_flush' or 'flush' (every bucket is reduced in the flush), or one stage a "
                          "rank (1f1b, gpipe, zb1p).")

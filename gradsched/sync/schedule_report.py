@@ -6,6 +6,8 @@ import torch.fx as fx
 from gradsched.passes.context_parallel import effective_window
 from gradsched.passes.graph_utils import META_KEY, collective_group, collective_kind, is_collective
 
+from gradsched.sync import pass_pipeline
+
 
 def collectives(gm: fx.GraphModule) -> list[dict]:
     rows = []
@@ -43,6 +45,10 @@ def schedule_report(setup, plan, graphs, verdicts: dict, opts, local_ties=()) ->
     for sg in graphs:
         buckets = ", ".join(str(b.index) for b in sg.layout.buckets)
         out.append(f"   {_graph_name(sg.where)} (buckets {buckets}):")
+        conditions = pass_pipeline.Conditions(shard=plan.shard, where=sg.where, zero_bubble=sg.halves is not None,
+                                              check_ranks=opts.check_ranks)
+        out.append("     passes: " + " -> ".join(pass_pipeline.applicable(("sync", "cut", "checked", "compiled"),
+                                                                         conditions)))
         for i, r in enumerate(collectives(sg.gm)):
             what = ", ".join(r["params"]) if len(r["params"]) <= 4 else f"{len(r['params'])} params"
             if r["elements"] and r["role"] == "tie_all_reduce_shard":

@@ -1,4 +1,4 @@
-"""Split a backward graph into B (the gradients of the stage's inputs) and W (those of its weights).
+"""Cut a backward graph in two: B (the gradients of the stage's inputs) and W (those of its weights).
 
 A zero-bubble schedule runs B as soon as the next stage's gradient arrives, since the previous stage waits
 for its result, and W later, in what would otherwise be the bubble. Autograd can do this only by running
@@ -28,12 +28,12 @@ import torch.fx as fx
 
 
 @dataclass(frozen=True)
-class SplitSpec:
+class CutSpec:
     weight_outputs: frozenset[int]  # positions in the graph's output tuple holding weight gradients
 
 
 @dataclass
-class SplitRecord:
+class CutRecord:
     b: fx.GraphModule
     w: fx.GraphModule
     input_outputs: list[int]  # original output positions B returns first, in order
@@ -57,14 +57,14 @@ def _ancestors(roots, stop: set) -> set:
     return seen
 
 
-def split_backward(gm: fx.GraphModule, spec: SplitSpec) -> tuple[fx.GraphModule, SplitRecord]:
+def cut_backward(gm: fx.GraphModule, spec: CutSpec) -> tuple[fx.GraphModule, CutRecord]:
     """(B, record): see the module docstring. `gm` is left as it was."""
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     outputs = list(graph.output_node().args[0])
     bad = sorted(i for i in spec.weight_outputs if not 0 <= i < len(outputs))
     if bad:
-        raise ValueError(f"split_backward: weight output positions {bad} are outside the graph's {len(outputs)} "
+        raise ValueError(f"cut_backward: weight output positions {bad} are outside the graph's {len(outputs)} "
                          "outputs")
     input_outputs = [i for i in range(len(outputs)) if i not in spec.weight_outputs]
     weight_outputs = sorted(spec.weight_outputs)
@@ -90,7 +90,7 @@ def split_backward(gm: fx.GraphModule, spec: SplitSpec) -> tuple[fx.GraphModule,
     w = _subgraph(gm, stash + [placeholders[i] for i in w_inputs], [n for n in graph.nodes if n in in_w],
                   [outputs[i] for i in weight_outputs])
     count = lambda g: sum(n.op == "call_function" for n in g.graph.nodes)  # noqa: E731
-    return b, SplitRecord(b, w, input_outputs, weight_outputs, [n.name for n in stash], w_inputs, b_inputs,
+    return b, CutRecord(b, w, input_outputs, weight_outputs, [n.name for n in stash], w_inputs, b_inputs,
                           count(b), count(w))
 
 

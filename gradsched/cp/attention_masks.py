@@ -114,7 +114,7 @@ def check_mask_args(call: str, *, causal: bool, window, position_ids, key_paddin
 
 
 def token_masks(position_ids, seq_idx):
-    """(document ids, positions to measure a window on) of gradsched.cp.masks' conventions: explicit
+    """(document ids, positions to measure a window on) of gradsched.cp.attention_masks' conventions: explicit
     documents (seq_idx) with their positions, or documents found in the position ids (None
     positions: the window is measured on the sequence index, the same within a document)."""
     if seq_idx is not None:

@@ -1,6 +1,6 @@
 """Every compiled graph agrees with its peers' on each group's collectives, without a read per run.
 
-`with_agreement(gm, what)` returns a copy of a graph opened by `passes.agreement`: before its first
+A graph opened by `passes.agreement` (on the copy gradsched compiles, gradsched.sync.compile): before its first
 collective on a group, the graph all-gathers the digest of its sequence on that group and runs
 `gradsched::agree` on the result; the group's collectives take their input through the op's zero. The
 graph gradsched built stays as it was (the verifier, the report and the sync graphs' first-run check
@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradsched.passes.agreement import AgreementSpec, insert_agreement
+from gradsched.passes.agreement import AgreementRecord, AgreementSpec
 from gradsched.passes.graph_utils import collective_group, is_collective
 from gradsched.sync.fingerprint import CollectiveMismatch, describe, first_difference
 from gradsched.sync.peers import KNOWN_CAUSES
@@ -75,21 +75,19 @@ def _(gathered, digest, group):
     return gathered.new_zeros((), dtype=torch.float32)
 
 
-def with_agreement(gm: fx.GraphModule, what: str) -> fx.GraphModule:
-    """A copy of `gm` whose every group's collectives open with the agreement; `what` names the graph
-    in messages ("the forward graph of stage 0")."""
-    copy = fx.GraphModule(gm, gm.graph.__deepcopy__())
-    copy.meta.update(gm.meta)
+def agreement_spec(gm: fx.GraphModule) -> AgreementSpec:
+    """The spec of passes.agreement for `gm`: gradsched's check op and the size of each group it talks to."""
     groups = {collective_group(n) for n in gm.graph.nodes if is_collective(n)}
-    if not groups:
-        return copy
-    sizes = {g: _resolve(g).size() for g in groups}
-    _, record = insert_agreement(copy, AgreementSpec(torch.ops.gradsched.agree.default, sizes))
+    return AgreementSpec(torch.ops.gradsched.agree.default, {g: _resolve(g).size() for g in groups})
+
+
+def publish(record: AgreementRecord, what: str) -> None:
+    """Each group's digest of a graph the pass opened, for the comparisons; `what` names the graph in messages
+    ("the forward graph of stage 0")."""
     for g, d in record.digests.items():
         _publish(g, d, {"what": what, "seq": record.sequences[g]})
-    if not _HOOK:  # the backend by name: a plain torch optimizer applies nothing a mismatch produced
+    if record.digests and not _HOOK:  # the backend by name: a plain torch optimizer applies nothing a mismatch produced
         _HOOK.append(register_optimizer_step_pre_hook(lambda *_: settle(wait=True)))
-    return copy
 
 
 def settling(run):

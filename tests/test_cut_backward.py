@@ -1,4 +1,4 @@
-"""passes/split_backward.py: a compiled backward graph cut into B (input gradients) and W (weight
+"""passes/cut_backward.py: a compiled backward graph cut into B (input gradients) and W (weight
 gradients) computes what the whole graph did, each node once, and B only what the input gradients need.
 
 The graphs are AOTAutograd's own backward graphs of pipeline stages of the tiny tied GPT, captured with
@@ -14,7 +14,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor.decomposition import select_decomp_table
 
 from gradsched.backend import parameter_inputs
-from gradsched.passes.split_backward import SplitSpec, split_backward
+from gradsched.passes.cut_backward import CutSpec, cut_backward
 from gradsched.sync.compile import compile_graph
 from tiny_gpt import Block, GPTConfig, TinyGPT
 
@@ -65,8 +65,8 @@ def stages():
     return {"middle": (Middle(c), (x,)), "whole_tied_model": (TinyGPT(c), (tokens,))}
 
 
-def run_split(gm, args, weights):
-    b, rec = split_backward(gm, SplitSpec(frozenset(weights)))
+def run_cut(gm, args, weights):
+    b, rec = cut_backward(gm, CutSpec(frozenset(weights)))
     b_out = b(*(args[i] for i in rec.b_inputs))
     n_in = len(rec.input_outputs)
     w_out = rec.w(*b_out[n_in:], *(args[i] for i in rec.w_inputs))
@@ -84,7 +84,7 @@ def test_b_then_w_gives_every_gradient_the_whole_graph_gives_bitwise(stage):
     gm, args, weights = captured_backward(module, *inputs)
     assert weights, "the stage's weights have gradients"
     want = gm(*args)
-    got, _ = run_split(gm, args, weights)
+    got, _ = run_cut(gm, args, weights)
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert (g is None) == (w is None)
@@ -95,7 +95,7 @@ def test_b_then_w_gives_every_gradient_the_whole_graph_gives_bitwise(stage):
 def test_b_then_w_match_eager_autograd():
     module, (x,) = stages()["middle"]
     gm, args, weights = captured_backward(module, x)
-    got, rec = run_split(gm, args, weights)
+    got, rec = run_cut(gm, args, weights)
     x2 = x.detach().clone().requires_grad_()
     module.zero_grad()
     out = module(x2)
@@ -114,7 +114,7 @@ def test_b_then_w_match_eager_autograd():
 def test_every_node_runs_once_and_b_holds_only_what_the_input_gradients_need(stage):
     module, inputs = stages()[stage]
     gm, args, weights = captured_backward(module, *inputs)
-    _, rec = run_split(gm, args, weights)
+    _, rec = run_cut(gm, args, weights)
     whole = sum(n.op == "call_function" for n in gm.graph.nodes)
     assert rec.b_nodes + rec.w_nodes == whole
     b_outputs = rec.b.graph.output_node().args[0][:len(rec.input_outputs)]
@@ -137,7 +137,7 @@ def test_both_halves_compile_with_inductor_and_agree_with_the_whole_graph():
     module, inputs = stages()["middle"]
     gm, args, weights = captured_backward(module, *inputs)
     want = gm(*args)
-    b, rec = split_backward(gm, SplitSpec(frozenset(weights)))
+    b, rec = cut_backward(gm, CutSpec(frozenset(weights)))
     b_args = [args[i] for i in rec.b_inputs]
     b_out = compile_graph(b, b_args, "inductor")(b_args)
     n_in = len(rec.input_outputs)
@@ -152,14 +152,14 @@ def test_a_weight_position_outside_the_outputs_is_refused():
     module, inputs = stages()["middle"]
     gm, _, _ = captured_backward(module, *inputs)
     with pytest.raises(ValueError, match="outside the graph's"):
-        split_backward(gm, SplitSpec(frozenset({10_000})))
+        cut_backward(gm, CutSpec(frozenset({10_000})))
 
 
 @pytest.mark.parametrize("stage", ["middle", "whole_tied_model"])
 def test_b_takes_only_the_inputs_it_reads_and_w_may_take_the_rest_later(stage):
     module, inputs = stages()[stage]
     gm, args, weights = captured_backward(module, *inputs)
-    _, rec = run_split(gm, args, weights)
+    _, rec = run_cut(gm, args, weights)
     for ph in rec.b.graph.find_nodes(op="placeholder"):  # every input B is given, B reads (or returns)
         assert ph.users, ph.name
     if stage == "middle":  # a Linear's saved input feeds its weight gradient only: W's, not B's
