@@ -172,7 +172,7 @@ def rank_run(rank: int, world: int, fault: str, marks: str, timeout_s: float) ->
     model, split_points = build_model(built)
     model = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=split_points, **job.options)
     opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
-    _, dp_idx, _ = plan.coords()
+    dp_idx = plan.index("dp")
     per_rank = job.global_batch // job.dp
     grads = None
     try:

@@ -68,7 +68,7 @@ class Trainer:
                                                split_points=split_points if job.pp > 1 else (), compiler="inductor",
                                                shard=impl == "gradsched")
             self.opt = gradsched.DistributedOptimizer(self.model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
-            self.dp_idx = self.plan.coords()[1]
+            self.dp_idx = self.plan.index("dp")
             return
         if impl == "ddp":
             from torch.nn.parallel import DistributedDataParallel

@@ -161,7 +161,7 @@ def rank_run(rank: int, world: int, impl: str, job: Job, compiler: str, bucket_m
         cpu_peak.install()  # before the model: the CPU allocator then counts every thread's frees
     trainer = Trainer(impl, job, compiler, bucket_mb, device)
     per_rank = job.global_batch // job.dp
-    dp_idx = trainer.model.plan.coords()[1] if impl.startswith("gradsched") else rank  # DDP, FSDP2: all dp
+    dp_idx = trainer.model.plan.index("dp") if impl.startswith("gradsched") else rank  # DDP, FSDP2: all dp
     times, state, peak = [], 0, 0
     for step in range(job.steps):
         x, y = batch(job, step)

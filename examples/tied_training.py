@@ -196,7 +196,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
                                   **opts)
     opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
                                          **optimizer_kwargs(job))
-    _, dp_idx, cp_idx = plan.coords()
+    dp_idx, cp_idx = plan.index("dp"), plan.index("cp")
     grads = None
     per_rank = job.global_batch // job.dp
     losses, times, code, norms = [], [], [], []
@@ -402,7 +402,7 @@ def resume_main(rank: int, world: int, job: Job, save_to: str, load_from: str | 
     opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
                                          **optimizer_kwargs(job))
     start = gradsched.load(load_from, model, opt)["data_position"] if load_from else 0
-    _, dp_idx, _ = plan.coords()
+    dp_idx = plan.index("dp")
     per_rank = job.global_batch // job.dp
     sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
     losses = []

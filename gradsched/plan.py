@@ -1,19 +1,20 @@
-"""The parallel plan: pipeline x data x context parallel sizes over torch.distributed.
+"""The parallel plan: pipeline x data x context x tensor parallel sizes over torch.distributed.
 
-Rank layout (context fastest, then data, then pipeline), as Megatron does:
+Rank layout (tensor fastest, then context, then data, then pipeline), as Megatron does:
 
-    rank = base + (pp_idx * dp + dp_idx) * cp + cp_idx
+    rank = base + ((pp_idx * dp + dp_idx) * cp + cp_idx) * tp + tp_idx
 
-so a pipeline stage's dp x cp ranks are contiguous, which keeps data-parallel
-traffic inside a node when nodes hold whole stages. Every group is built here,
-by every rank, in one fixed order (new_group is itself a collective).
+so a TP group's ranks are neighbours (inside a node, where its per-layer traffic belongs) and a
+pipeline stage's dp x cp x tp ranks are contiguous. Every group is built here, by every rank, in
+one fixed order (new_group is itself a collective).
 
-Groups:
-  grad   the ranks of one stage (dp x cp): gradients are reduced over it.
-  dp     same stage and cp index.     cp   same stage and dp index.
-  pp     same dp and cp index, one rank per stage (activations travel here).
+Groups (each per TP index, except tp itself: every TP rank holds its own shard of the stage):
+  grad   the ranks of one stage with this TP index (dp x cp): gradients are reduced over it.
+  dp     same stage, cp and tp index.     cp   same stage, dp and tp index.
+  pp     same dp, cp and tp index, one rank per stage (activations travel here).
+  tp     same stage, dp and cp index: the ranks that split each layer's matrices.
   tie    for a set of stages holding copies of one weight: the ranks of those
-         stages with this rank's dp and cp index. Derived from the ties found,
+         stages with this rank's dp, cp and tp index. Derived from the ties found,
          never hand-listed.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 
-DIMENSIONS = ("pp", "dp", "cp")  # in coords' order: pipeline slowest, context fastest
+DIMENSIONS = ("pp", "dp", "cp", "tp")  # in coords' order: pipeline slowest, tensor fastest
 
 
 class PlanError(ValueError):
@@ -37,12 +38,13 @@ class ParallelPlan:
     pp: int = 1
     dp: int = 1
     cp: int = 1
+    tp: int = 1
     group: dist.ProcessGroup | None = None  # None: the default (world) group
     _groups: dict = field(default_factory=dict, repr=False)
     _tie_groups: dict = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_world(cls, pp: int = 1, cp: int = 1, dp: int | None = None,
+    def from_world(cls, pp: int = 1, cp: int = 1, dp: int | None = None, tp: int = 1,
                    group: dist.ProcessGroup | None = None) -> "ParallelPlan":
         """Lay the plan over `group` (default: the world), inferring dp if omitted.
 
@@ -52,18 +54,18 @@ class ParallelPlan:
         """
         if not dist.is_initialized():
             if group is None and os.environ.get("WORLD_SIZE", "").isdigit():
-                plan_sizes(int(os.environ["WORLD_SIZE"]), pp, cp, dp)  # a plan that cannot fit: before connecting
+                plan_sizes(int(os.environ["WORLD_SIZE"]), pp, cp, dp, tp)  # a plan that cannot fit: before connecting
             init_from_env()
         world = dist.get_world_size(group)
-        dp = plan_sizes(world, pp, cp, dp)
-        plan = cls(pp=pp, dp=dp, cp=cp, group=group)
+        dp = plan_sizes(world, pp, cp, dp, tp)
+        plan = cls(pp=pp, dp=dp, cp=cp, tp=tp, group=group)
         plan._build_groups()
         return plan
 
     # ---- coordinates -------------------------------------------------------------
     @property
     def world(self) -> int:
-        return self.pp * self.dp * self.cp
+        return self.pp * self.dp * self.cp * self.tp
 
     @property
     def rank(self) -> int:
@@ -72,27 +74,28 @@ class ParallelPlan:
             return 0  # a one-process plan needs no process group until something is reduced
         return dist.get_rank(self.group)
 
-    def coords(self, rank: int | None = None) -> tuple[int, int, int]:
-        """(pp_idx, dp_idx, cp_idx) of a plan rank."""
+    def coords(self, rank: int | None = None) -> tuple[int, int, int, int]:
+        """(pp_idx, dp_idx, cp_idx, tp_idx) of a plan rank."""
         r = self.rank if rank is None else rank
-        return r // (self.dp * self.cp), (r // self.cp) % self.dp, r % self.cp
+        t, r = r % self.tp, r // self.tp
+        return r // (self.dp * self.cp), (r // self.cp) % self.dp, r % self.cp, t
 
-    def rank_of(self, pp_idx: int, dp_idx: int, cp_idx: int = 0) -> int:
-        return (pp_idx * self.dp + dp_idx) * self.cp + cp_idx
+    def rank_of(self, pp_idx: int, dp_idx: int, cp_idx: int = 0, tp_idx: int = 0) -> int:
+        return ((pp_idx * self.dp + dp_idx) * self.cp + cp_idx) * self.tp + tp_idx
 
     def index(self, kind: str, rank: int | None = None) -> int:
-        """A plan rank's coordinate along one dimension ("pp", "dp" or "cp"): code that needs one asks by name, so
-        a new dimension changes the layout here only."""
+        """A plan rank's coordinate along one dimension ("pp", "dp", "cp" or "tp"): code that needs one asks by
+        name, so a new dimension changes the layout here only."""
         return self.coords(rank)[DIMENSIONS.index(kind)]
 
     @property
     def stage_replicas(self) -> int:
-        """How many ranks hold each pipeline stage (the gradient group's size)."""
+        """How many ranks hold each TP shard of a pipeline stage (the gradient group's size)."""
         return self.dp * self.cp
 
     def first_replica(self, rank: int | None = None) -> int:
-        """The plan rank holding the first replica of `rank`'s stage (its values are every replica's)."""
-        return self.rank_of(self.index("pp", rank), 0, 0)
+        """The plan rank holding the first replica of `rank`'s stage and TP shard (its values are every replica's)."""
+        return self.rank_of(self.index("pp", rank), 0, 0, self.index("tp", rank))
 
     def global_rank(self, plan_rank: int) -> int:
         return plan_rank if self.group is None else dist.get_global_rank(self.group, plan_rank)
@@ -104,11 +107,12 @@ class ParallelPlan:
     # ---- groups -----------------------------------------------------------------
     def _layouts(self):
         """Every group of every kind, as lists of plan ranks, in a fixed order."""
-        P, D, C = self.pp, self.dp, self.cp
-        yield "grad", [[self.rank_of(p, d, c) for d in range(D) for c in range(C)] for p in range(P)]
-        yield "dp", [[self.rank_of(p, d, c) for d in range(D)] for p in range(P) for c in range(C)]
-        yield "cp", [[self.rank_of(p, d, c) for c in range(C)] for p in range(P) for d in range(D)]
-        yield "pp", [[self.rank_of(p, d, c) for p in range(P)] for d in range(D) for c in range(C)]
+        P, D, C, T = self.pp, self.dp, self.cp, self.tp
+        yield "grad", [[self.rank_of(p, d, c, t) for d in range(D) for c in range(C)] for p in range(P) for t in range(T)]
+        yield "dp", [[self.rank_of(p, d, c, t) for d in range(D)] for p in range(P) for c in range(C) for t in range(T)]
+        yield "cp", [[self.rank_of(p, d, c, t) for c in range(C)] for p in range(P) for d in range(D) for t in range(T)]
+        yield "pp", [[self.rank_of(p, d, c, t) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
+        yield "tp", [[self.rank_of(p, d, c, t) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
 
     def _build_groups(self) -> None:
         for kind, layouts in self._layouts():
@@ -147,30 +151,35 @@ class ParallelPlan:
         if any(not 0 <= s < self.pp for s in stages):
             raise PlanError(f"tie across stages {stages}, but the plan has pp={self.pp}.")
         if stages not in self._tie_groups:
-            layouts = [[self.rank_of(s, d, c) for s in stages] for d in range(self.dp) for c in range(self.cp)]
+            layouts = [[self.rank_of(s, d, c, t) for s in stages]
+                       for d in range(self.dp) for c in range(self.cp) for t in range(self.tp)]
             self._tie_groups[stages] = self._subgroup(layouts)
         return self._tie_groups[stages]
 
     def describe(self) -> str:
-        p, d, c = self.coords()
-        return f"rank {self.rank}/{self.world} (pp={p}/{self.pp}, dp={d}/{self.dp}, cp={c}/{self.cp})"
+        p, d, c, t = self.coords()
+        tp = f", tp={t}/{self.tp}" if self.tp > 1 else ""
+        return f"rank {self.rank}/{self.world} (pp={p}/{self.pp}, dp={d}/{self.dp}, cp={c}/{self.cp}{tp})"
 
 
-def plan_sizes(world: int, pp: int = 1, cp: int = 1, dp: int | None = None) -> int:
-    """dp of a plan of pp x dp x cp over `world` processes (inferred when None); a PlanError when the sizes
+def plan_sizes(world: int, pp: int = 1, cp: int = 1, dp: int | None = None, tp: int = 1) -> int:
+    """dp of a plan of pp x dp x cp x tp over `world` processes (inferred when None); a PlanError when the sizes
     cannot fit. Needs no process group: every rank decides alike from the same sizes, before connecting."""
-    for name, size in (("pp", pp), ("cp", cp)):
+    for name, size in (("pp", pp), ("cp", cp), ("tp", tp)):
         if size < 1:
             raise PlanError(f"{name}={size}: every parallel size must be >= 1.")
+    others = pp * cp * tp
+    named = f"pp={pp} x cp={cp}" + (f" x tp={tp}" if tp > 1 else "")
     if dp is None:
-        if world % (pp * cp):
+        if world % others:
             raise PlanError(
-                f"pp={pp} x cp={cp} does not divide the world size {world}: "
-                f"start a multiple of {pp * cp} processes, or change pp/cp.")
-        dp = world // (pp * cp)
-    if dp < 1 or pp * dp * cp != world:
+                f"{named} does not divide the world size {world}: "
+                f"start a multiple of {others} processes, or change {'pp/cp/tp' if tp > 1 else 'pp/cp'}.")
+        dp = world // others
+    if dp < 1 or dp * others != world:
+        sizes = f"pp={pp} x dp={dp} x cp={cp}" + (f" x tp={tp}" if tp > 1 else "")
         raise PlanError(
-            f"pp={pp} x dp={dp} x cp={cp} = {pp * dp * cp} processes, but the world has "
+            f"{sizes} = {dp * others} processes, but the world has "
             f"{world}: choose sizes whose product is {world}, or leave dp out to infer it.")
     return dp
 

@@ -4,7 +4,7 @@ import torch
 import gradsched
 from gradsched.sync.owners import sync_of
 from tied_training import Job, optimizer_class, optimizer_kwargs, reduced_gradients
-from tiny_gpt import TinyGPT, lm_loss, make_batch
+from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 
 
 def plan_errors(rank, world):
@@ -68,7 +68,7 @@ def decorated_class(rank, world, job: Job):
     torch.manual_seed(job.seed)
     model = GPT(job.config)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, **optimizer_kwargs(job))
-    _, dp_idx, _ = plan.coords()
+    dp_idx = plan.index("dp")
     per = job.global_batch // plan.dp
     for step in range(job.steps):
         x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
@@ -230,7 +230,7 @@ def decay_free_step(rank, world):
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1.0,
                                          param_groups=gradsched.weight_decay_groups(0.5))
     x, y = make_batch(4, TinyGPT().config)
-    _, dp_idx, _ = plan.coords()
+    dp_idx = plan.index("dp")
     model.train_step(x[dp_idx * 2:(dp_idx + 1) * 2], y[dp_idx * 2:(dp_idx + 1) * 2])
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.step()
@@ -564,7 +564,7 @@ def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, sav
             gradsched.save(save_dir, pm, opt, step=0)
         except gradsched.CheckpointError as e:
             refused = str(e)
-    _, dp_idx, _ = plan.coords()
+    dp_idx = plan.index("dp")
     per = 8 // plan.dp
     if saved:
         x, y = make_batch(8, config)
@@ -595,3 +595,19 @@ def meta_model_without_init(rank, world):
         pm.train_step(*make_batch(2, model.config))
     except ValueError as e:
         return str(e)
+
+
+def tensor_parallel_plan(rank, world):
+    """A tp=2 plan over 2 ranks: its groups, then parallelize and the backend by name, each refused by name."""
+    plan = gradsched.ParallelPlan.from_world(tp=2)
+    out = {"describe": plan.describe(), "tp": plan.group_ranks("tp"), "grad": plan.group_ranks("grad")}
+    model = TinyGPT(GPTConfig())
+    for name, build in (("parallelize", lambda: gradsched.parallelize(model, plan=plan, loss_fn=lm_loss)),
+                        ("backend", lambda: torch.compile(model, backend="gradsched", options={"plan": plan})(
+                            make_batch(2, GPTConfig())[0]))):
+        try:
+            build()
+            out[name] = None
+        except Exception as e:  # noqa: BLE001 - the message is what is tested
+            out[name] = str(e)
+    return out

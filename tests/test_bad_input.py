@@ -9,7 +9,7 @@ from gradsched.sync.owners import mark_sharded
 from gradsched.sync.ties import TieMismatch, check_one_copy_per_stage, shared_parameters
 from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
 
-from rank_fns import plan_errors
+from rank_fns import plan_errors, tensor_parallel_plan
 
 
 def test_plan_sizes_that_do_not_divide_the_world_are_refused():
@@ -208,3 +208,13 @@ def test_the_old_placement_name_split_still_works_with_a_warning_naming_its_new_
     with pytest.warns(FutureWarning, match="placement='tied_at_flush'"):
         opts = SyncOptions(placement="split")
     assert opts.placement == "tied_at_flush"
+
+
+def test_a_tensor_parallel_plan_lays_out_its_groups_and_training_over_it_is_refused_by_name():
+    # no pass shards a model over tp yet: every TP rank would train the whole model, reduced over dp x cp only
+    r0, r1 = run_ranks(tensor_parallel_plan, 2)
+    assert r0["describe"] == "rank 0/2 (pp=0/1, dp=0/1, cp=0/1, tp=0/2)" and r1["tp"] == (0, 1)
+    assert r0["grad"] == (0,) and r1["grad"] == (1,)  # each TP index reduces its own shard's gradients
+    for r in (r0, r1):
+        for how in ("parallelize", "backend"):
+            assert r[how] is not None and "tp=2" in r[how] and "Train with tp=1" in r[how], (how, r[how])

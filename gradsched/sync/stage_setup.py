@@ -51,8 +51,18 @@ def group(ranks, pg, rank: int) -> Group:
     return Group(pg.group_name, tuple(ranks), list(ranks).index(rank))
 
 
+def refuse_tensor_parallel(plan: ParallelPlan) -> None:
+    """The plan lays out TP groups; no pass shards a model over them yet. Every TP rank would then train the whole
+    model on the same data and reduce it over dp x cp only: refused before any collective, on every rank alike."""
+    if plan.tp > 1:
+        raise ValueError(f"tp={plan.tp}: gradsched's plan lays out tensor-parallel groups, but no pass shards a "
+                         "model's layers over them yet. Train with tp=1 (ParallelPlan.from_world(pp=..., cp=...)), "
+                         "and spend those processes on dp, pp or cp.")
+
+
 def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), aliases=(),
                 stage: int | None = None) -> StageSetup:
+    refuse_tensor_parallel(plan)
     stage = plan.stage if stage is None else stage
     rank = plan.rank
     all_ties = sorted(ties, key=lambda t: t.key)
