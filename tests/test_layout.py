@@ -10,7 +10,8 @@ import networkx as nx
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 FOUNDATION = {"gradsched.plan", "gradsched.options", "gradsched.user_errors"}  # plain data and errors
 # each room may import itself and the rooms before it; the public API (the rest of gradsched's top level) any
-ROOMS = ["gradsched.passes", "foundation", "gradsched.cp", "gradsched.sync", "gradsched.training", "gradsched.sizing"]
+ROOMS = ["gradsched.passes", "foundation", "gradsched.cp", "gradsched.sync", "gradsched.tp", "gradsched.training",
+         "gradsched.sizing"]
 MAX_LINES, MAX_TOP_LEVEL = 400, 12
 
 

@@ -26,7 +26,9 @@ from gradsched.passes.cut_backward import cut_backward
 from gradsched.passes.defer_waits import defer_waits
 from gradsched.passes.grad_sync import return_shards_only
 from gradsched.passes.param_gather import gather_params
+from gradsched.passes.tensor_parallel import shard_for_tensor_parallel
 from gradsched.passes.unlowered_attention import unlowered_attention
+from gradsched.passes.verify_tensor_parallel import verify_tensor_parallel
 from gradsched.passes.agreement import insert_agreement
 
 # the graphs, in the order of a graph's life, and what each is
@@ -45,6 +47,7 @@ GRAPHS = {
 class Conditions:
     """What decides which passes apply: plain values from the options, the plan and the graph's place."""
     cp: int = 1
+    tp: int = 1
     shard: bool | str = False
     reshard_after_forward: bool = True
     zero_bubble: bool = False  # the schedule runs each backward as B and W
@@ -77,6 +80,7 @@ def _always(_: Conditions) -> bool:
 
 
 PIPELINE: tuple[Pass, ...] = (
+    Pass("shard_for_tensor_parallel", "dynamo", "tp > 1", lambda c: c.tp > 1, shard_for_tensor_parallel),
     Pass("lower_attention_to_ring", "dynamo", "cp > 1", lambda c: c.cp > 1, lower_attention_to_ring),
     Pass("unlowered_attention", "dynamo", "cp > 1", lambda c: c.cp > 1, unlowered_attention, rewrites=False),
     Pass("gather_params", "forward", 'shard="params"', lambda c: c.shard == "params", gather_params),
@@ -84,6 +88,8 @@ PIPELINE: tuple[Pass, ...] = (
          lambda c: c.shard == "params" and c.reshard_after_forward, gather_params),
     Pass("grad_ready_order", "backward", "always", _always, grad_ready_order, rewrites=False,
          call=lambda gm, grad_names: (gm, grad_ready_order(gm, grad_names))),
+    Pass("verify_tensor_parallel", "backward", "tp > 1", lambda c: c.tp > 1, verify_tensor_parallel, rewrites=False,
+         call=lambda gm, spec: (gm, verify_tensor_parallel(gm, spec))),
     Pass("insert_grad_sync", "sync", "always", _always, insert_grad_sync),
     Pass("return_shards_only", "sync", 'a flush or early graph, shard=True or "params"',
          lambda c: bool(c.shard) and c.where != "backward", return_shards_only),

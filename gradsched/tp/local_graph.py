@@ -1,0 +1,90 @@
+"""One TP rank's graph of a model: the tensor-parallel pass on Dynamo's graph, compiled over this rank's
+parameter shards, its backward proved before it is compiled.
+
+Dynamo traces the model as one process holds it and calls the compiled graph with the model's own
+(whole) parameters; the pass rewrites the graph to take each TP-sharded parameter's local shard
+instead, and the callable returned here passes those shards in their place. The shards are new
+leaf Parameters: their gradients are this rank's, whole for its part. A replicated parameter is
+passed as it is, its gradient summed over TP inside the backward (see passes/tensor_parallel.py),
+which passes/verify_tensor_parallel.py proves of the backward graph AOTAutograd derives.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+
+from gradsched.passes.tensor_parallel import TensorParallelSpec
+from gradsched.passes.verify_tensor_parallel import TensorParallelGradSpec
+from gradsched.sync import pass_pipeline
+from gradsched.tp import collectives
+from gradsched.tp.loss_parallel import vocab_parallel_cross_entropy
+from gradsched.tp.local_shards import local_shard
+
+
+def tensor_parallel_spec(plan, seq_len: int, overrides: dict | None = None,
+                         loss_parallel: bool = True) -> TensorParallelSpec:
+    """The pass's spec over the plan's TP group, with this runtime's collectives (and its vocab-parallel
+    cross-entropy for a loss in the graph, unless loss_parallel=False: then the logits are gathered)."""
+    return TensorParallelSpec(plan.tp, plan.index("tp"), plan.process_group("tp").group_name, seq_len,
+                              collectives.gather_sequence, collectives.scatter_sequence, collectives.grad_sum,
+                              collectives.gather_output, vocab_parallel_cross_entropy if loss_parallel else None,
+                              dict(overrides or {}))
+
+
+@dataclass
+class LocalGraph:
+    forward: Callable  # takes Dynamo's arguments (whole parameters), runs this rank's graph
+    record: object  # the pass's TensorParallelRecord
+    shards: dict  # graph input index -> this rank's shard (a leaf Parameter) of that parameter
+    placements: dict  # graph input index -> its parameter's Placement (every parameter input)
+    proofs: list = field(default_factory=list)  # the verifier's proof of each backward graph
+    backward_graphs: list = field(default_factory=list)  # a copy of each, as AOTAutograd derived it
+
+
+def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, inner: Callable,
+                  names: dict | None = None) -> LocalGraph:
+    """Rewrite `gm` for this TP rank and compile it through AOTAutograd, each graph with `inner(gm,
+    example inputs)` (Inductor's compile_fx_inner, or a boxed eager call); the shards are cut from the
+    example inputs, which are the model's parameters (`names`: input index -> parameter name, for the
+    verifier's messages). The backward graph is refused (TensorParallelHazard) unless proved."""
+    from torch._inductor.decomposition import select_decomp_table
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    record = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions(tp=spec.tp),
+                               {"shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
+    shards, placements, names = {}, {}, dict(names or {})
+    for i, (ph, value) in enumerate(zip(placeholders, example_inputs)):
+        p = record.placements.get(ph.name)
+        if p is None:
+            continue
+        placements[i] = p
+        names.setdefault(i, ph.name)
+        if p.dim is not None:
+            shards[i] = torch.nn.Parameter(local_shard(value, p, spec.tp, spec.rank), requires_grad=value.requires_grad)
+    local = LocalGraph(None, record, shards, placements)
+
+    def backward(bw_gm: fx.GraphModule, bw_inputs):
+        grads = {}
+        for out, desc in enumerate(bw_gm.graph.output_node().meta.get("desc") or []):
+            i = getattr(getattr(desc, "grad_of", None), "idx", None)
+            if i in placements:
+                grads[out] = (names[i], placements[i].dim is None)
+        local.backward_graphs.append(copy.deepcopy(bw_gm))
+        proof = pass_pipeline.run("backward", bw_gm, pass_pipeline.Conditions(tp=spec.tp), {
+            "grad_ready_order": {o: n for o, (n, _) in grads.items()},
+            "verify_tensor_parallel": TensorParallelGradSpec(spec.group, grads)})["verify_tensor_parallel"]
+        local.proofs.append(proof)
+        proof.raise_if_unsafe()
+        return inner(bw_gm, bw_inputs)
+
+    compiled = aot_autograd(fw_compiler=inner, bw_compiler=backward, decompositions=select_decomp_table())(
+        gm, [shards.get(i, x) for i, x in enumerate(example_inputs)])
+
+    def forward(*args):
+        return compiled(*[shards.get(i, a) for i, a in enumerate(args)])
+    local.forward = forward
+    return local
