@@ -21,6 +21,9 @@ computation, with Megatron's tensor and sequence parallelism:
   logits are never gathered); any other output is whole (`spec.gather_output`, whose backward keeps
   this rank's chunk, since every rank computes the same loss from it).
 
+The body of a higher-order op that runs it inline (activation checkpointing, wrap) is rewritten the same
+way, with its operands' layouts; its collectives are recomputed with it in the backward.
+
 Where each op goes: passes/tp_roles.py finds the roles, passes/tp_shape_ops.py, tp_heads.py and
 tp_vocab.py rewrite shape and pointwise ops, attention, and the embedding and loss; this module
 walks the graph, places the parameters and inserts the collectives.
@@ -96,22 +99,33 @@ def shard_for_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec):
 
 # ---- the rewrite ------------------------------------------------------------------------------------
 
+# higher-order ops whose body runs inline, once (activation checkpointing recomputes it in the backward,
+# collectives included, alike on every rank)
+BODIES = {torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap}
+
+
 class _Rewriter(ShapeOps, Heads, Vocab):
-    def __init__(self, gm, spec: TensorParallelSpec, roles: dict, params: dict):
+    def __init__(self, gm, spec: TensorParallelSpec, roles: dict, params: dict, outer=None, operands=()):
         self.gm, self.graph, self.spec, self.roles = gm, gm.graph, spec, roles
         self.params = params
-        self.record = TensorParallelRecord(roles={n.name: r for n, r in roles.items()})
+        self.outer = outer  # a body's: the rewriter of the graph whose higher-order op runs it
+        self.operand_of = dict(zip(gm.graph.find_nodes(op="placeholder"), operands))  # a body's placeholder -> operand
+        self.replicated_inside: set = set()  # a body's replicated parameters (summed in the outer graph)
+        self.record = outer.record if outer else TensorParallelRecord()
+        self.record.roles.update({n.name: r for n, r in roles.items()})
         self.lay: dict = {}  # node -> Layout (a tuple of them for a split's pieces)
         self.whole: dict = {}  # node -> its whole (one-process) fake value, read before any rewrite
         for n in self.graph.nodes:
             self.whole[n] = n.meta.get("example_value", n.meta.get("val"))
-        self.gathered: dict = {}
+        self.gathered: dict = {}  # sequence-sharded node -> its all-gather
         self.reduced: dict = {}  # partial node -> its reduction
-        self.bias_of: dict = {}  # partial node -> the bias to add after its reduction  # sequence-sharded node -> its all-gather
+        self.bias_of: dict = {}  # partial node -> the bias to add after its reduction
         self.summed: dict = {}  # replicated parameter placeholder -> its grad_sum node
 
     # placements ---------------------------------------------------------------------------------
     def _place(self, ph: fx.Node, placement: Placement, at: fx.Node) -> None:
+        if self.outer is not None:  # a body's parameter is the outer graph's
+            return self.outer._place(self.operand_of[ph], placement, at)
         placement = self.spec.overrides.get(ph.name, placement)
         old = self.record.placements.get(ph.name)
         if old is not None and (old.dim, old.segments) != (placement.dim, placement.segments):
@@ -126,6 +140,13 @@ class _Rewriter(ShapeOps, Heads, Vocab):
     def _param_arg(self, node: fx.Node, ph) -> fx.Node:
         """A replicated parameter's use goes through grad_sum (inserted once, after the placeholders)."""
         if not isinstance(ph, fx.Node) or ph not in self.params:
+            return ph
+        if self.outer is not None:  # inside a body: summed where the outer graph passes it in
+            name = self.operand_of[ph].name
+            if name not in self.record.placements:
+                self._place(ph, REPLICATED, node)
+            if self.record.placements[name].dim is None:
+                self.replicated_inside.add(ph)
             return ph
         if ph.name not in self.record.placements:
             self._place(ph, REPLICATED, node)
@@ -194,7 +215,7 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         self.body = next(n for n in self.graph.nodes if n.op != "placeholder")  # grad_sum nodes go before it
         for node in list(self.graph.nodes):
             if node.op == "placeholder":
-                self.lay[node] = FULL
+                self.lay[node] = self.outer._l(self.operand_of[node]) if self.outer else FULL
             elif node.op == "output":
                 self._output(node)
             elif node.op in ("call_function", "call_method"):
@@ -202,7 +223,8 @@ class _Rewriter(ShapeOps, Heads, Vocab):
             else:
                 self.lay[node] = FULL
         self._check_gathers_feed_split_work()
-        self._propagate_local_values()
+        if self.outer is None:
+            self._propagate_local_values()
 
     def _check_gathers_feed_split_work(self) -> None:
         """A sequence all-gather's backward sums every rank's gradient of the gathered value: right when each
@@ -216,7 +238,8 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                     continue
                 seen.add(n)
                 for u in n.users:
-                    if u.op == "output" or (self._l(u) == FULL and is_op(u, (F.cross_entropy,))):
+                    if (u.op == "output" and self.outer is None) or (self._l(u) == FULL and
+                                                                     is_op(u, (F.cross_entropy,))):
                         raise TensorParallelError(
                             f"{u.name if u.op != 'output' else 'a graph output'} is computed whole on every rank from "
                             f"the tokens all-gathered at {where(n)}: its gradient would be summed tp times. Give the "
@@ -228,6 +251,8 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         return self.lay.get(a, FULL) if isinstance(a, fx.Node) else FULL
 
     def _visit(self, node: fx.Node) -> None:
+        if node.op == "call_function" and node.target in BODIES:
+            return self._body(node)
         role = self.roles.get(node)
         if is_linear(node):
             return self._linear(node, role)
@@ -322,7 +347,32 @@ class _Rewriter(ShapeOps, Heads, Vocab):
             set_linear_parts(node, x, self._param_arg(node, w), self._param_arg(node, b))
             self.lay[node] = lx
 
+    def _body(self, node) -> None:
+        """A higher-order op's body, rewritten with its operands' layouts; its outputs keep theirs (a partial
+        sum is reduced inside). Its replicated parameters are summed where this graph passes them in."""
+        body = getattr(self.gm, node.args[0].target)
+        operands = list(node.args[1:])
+        phs = list(body.graph.find_nodes(op="placeholder"))
+        params = {p: p for p, o in zip(phs, operands) if o in self.params}
+        sub = _Rewriter(body, self.spec, find_roles(body.graph, params, self.spec.tp, heads=False), params,
+                        outer=self, operands=operands)
+        sub.run()
+        body.graph.lint()
+        body.recompile()
+        args = list(node.args)
+        for ph in sub.replicated_inside:
+            i = phs.index(ph)
+            args[1 + i] = self._param_arg(node, operands[i])
+        node.args = tuple(args)
+        self.lay[node] = tuple(sub.out_layouts)
+
     def _output(self, node) -> None:
+        if self.outer is not None:  # a body's outputs: reduced if partial, else as they are
+            outs = [self._reduce(a, node) if self._l(a).kind == "partial" else a for a in node.args[0]]
+            node.args = (tuple(outs),)
+            self.out_layouts = [self._l(a) for a in outs]
+            return
+
         def whole(a):
             if not isinstance(a, fx.Node):
                 return a
@@ -356,6 +406,9 @@ class _Rewriter(ShapeOps, Heads, Vocab):
 
         class Prop(fx.Interpreter):
             def run_node(self, n):
+                if n.op == "call_function" and n.target in BODIES:  # the body's nodes get their local values too
+                    args, _ = self.fetch_args_kwargs_from_env(n)
+                    Prop(args[0]).run(*args[1:])
                 out = super().run_node(n)
                 if n.op not in ("placeholder", "output"):
                     n.meta["example_value"] = out

@@ -130,7 +130,7 @@ def segments_of(lin: fx.Node) -> int:
     return 1
 
 
-def find_roles(graph: fx.Graph, params: dict, tp: int) -> dict:
+def find_roles(graph: fx.Graph, params: dict, tp: int, heads: bool = True) -> dict:
     """Linear and embedding node -> "column" | "row" | "head" | "vocab" | "replicated" (the others:
     replicated). A key/value projection with fewer heads than tp can split stays replicated: each rank
     then takes the heads its queries read (GQA)."""
@@ -155,6 +155,8 @@ def find_roles(graph: fx.Graph, params: dict, tp: int) -> dict:
             roles[lin] = "row"
             roles.update({c: "column" for c in cone})
     outputs, memo = set(graph.output_node().all_input_nodes), {}
+    if not heads:  # a higher-order op's body: its outputs are not the model's
+        return roles
     heads = [n for n in graph.nodes if is_linear(n) and n not in roles and reaches(n, outputs, memo)]
     embeddings = [n for n in graph.nodes if is_op(n, EMBEDDING)]
     for head in heads:

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism found from the graph (passes/tensor_parallel.py) equals one process.
 
-Each rank compiles the unmodified model (our tiny GPT, Hugging Face Llama with GQA, GPT-2 with its
-Conv1D projections) with the pass, which finds the Megatron pairs, the vocab-parallel tie and the
+Each rank compiles the unmodified model (our tiny GPT, Hugging Face Llama with GQA, Qwen2 with
+biases on q/k/v, GPT-2 with its Conv1D projections) with the pass, which finds the Megatron pairs, the vocab-parallel tie and the
 sequence-parallel regions by itself; its loss and its gradients (a shard's against the same chunk of
 the whole gradient) are compared with the whole model in one float64 process. A case's loss is
 computed outside the compiled model (whole logits), or compiled with it (loss parallel: the logits are
@@ -18,9 +18,11 @@ EXACT = 1e-12
 TP2 = [("tiny_gpt", "eager", "float64", "outside"), ("tiny_gpt", "inductor", "float64", "in_graph"),
        ("hf_llama", "eager", "float64", "outside"), ("hf_llama", "eager", "float64", "smoothed"),
        ("hf_gpt2", "eager", "float64", "outside"), ("hf_gpt2", "inductor", "float64", "in_graph"),
-       ("hf_llama", "inductor", "float32", "in_graph")]
+       ("hf_llama", "inductor", "float32", "in_graph"), ("hf_qwen2", "eager", "float64", "smoothed"),
+       ("tiny_gpt", "eager", "float64", "in_graph"), ("tiny_gpt_checkpointed", "eager", "float64", "in_graph"),
+       ("tiny_gpt_selective", "inductor", "float64", "in_graph")]
 TP4 = [("tiny_gpt", "eager", "float64", "in_graph"), ("hf_llama", "eager", "float64", "in_graph"),
-       ("hf_gpt2", "eager", "float64", "smoothed")]
+       ("hf_gpt2", "eager", "float64", "smoothed"), ("hf_qwen2", "eager", "float64", "in_graph")]
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +121,16 @@ def test_every_backward_graph_is_proved_and_refused_with_any_tp_sum_removed_or_a
             assert len(proved) == len(r["placements"]) == len(r["refusals"]), case
             for param, why in r["refusals"].items():
                 assert why is not None and "TP" in why, (case, param, why)
+
+
+def test_checkpointed_blocks_split_alike_and_recompute_their_gathers_in_the_backward(tp2):
+    """Activation checkpointing's bodies are rewritten like the graph around them; their sequence all-gathers
+    run again in the backward (the recompute), two a block."""
+    plain = tp2[0][("tiny_gpt", "eager", "float64", "in_graph")]
+    for mode in ("tiny_gpt_checkpointed", "tiny_gpt_selective"):
+        r = tp2[0][(mode, "eager" if mode.endswith("checkpointed") else "inductor", "float64", "in_graph")]
+        assert r["placements"] == plain["placements"], mode
+        assert r["backward_gathers"] == plain["backward_gathers"] + 2 * 2, (mode, r["backward_gathers"])
 
 
 # ---- refusals, in one process: the pass reads the graph before any collective ------------------------------

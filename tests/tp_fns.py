@@ -18,8 +18,9 @@ SEQ = 16
 def build(model: str, dtype: torch.dtype):
     """(model, forward(model, tokens) -> logits), the same weights in every process."""
     torch.manual_seed(0)
-    if model == "tiny_gpt":
-        return TinyGPT(GPTConfig(seq=SEQ)).to(dtype), lambda m, x: m(x)
+    if model in ("tiny_gpt", "tiny_gpt_checkpointed", "tiny_gpt_selective"):  # every block checkpointed, or selectively
+        mode = {"tiny_gpt": "", "tiny_gpt_checkpointed": "non_reentrant", "tiny_gpt_selective": "selective"}[model]
+        return TinyGPT(GPTConfig(seq=SEQ, checkpoint=mode)).to(dtype), lambda m, x: m(x)
     import transformers
     if model == "hf_llama":  # GQA: 2 key/value heads for 4 query heads (fewer than tp at tp 4)
         c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -27,6 +28,12 @@ def build(model: str, dtype: torch.dtype):
                                      max_position_embeddings=SEQ, use_cache=False)
         c._attn_implementation = "sdpa"
         m = transformers.LlamaForCausalLM(c)
+    elif model == "hf_qwen2":  # biases on q, k and v (split with their columns), GQA
+        c = transformers.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                     max_position_embeddings=SEQ, use_cache=False, use_sliding_window=False)
+        c._attn_implementation = "sdpa"
+        m = transformers.Qwen2ForCausalLM(c)
     elif model == "hf_gpt2":  # Conv1D (addmm) projections, a fused q/k/v, learned positions
         c = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=SEQ, use_cache=False,
                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -110,7 +117,9 @@ def one_case(plan, model: str, compiler: str, dtype: torch.dtype, loss: str = "o
             placements[n] = ("replicated", None, 1)
         grad_err = max(grad_err, math.inf if got is None else abs_diff(got.double(), want))
     out.update(grad_err=grad_err, err=max(grad_err, out["loss_err"]), placements=placements, collectives=list(lg.record.collectives),
-               proved=[p.proved for p in lg.proofs], refusals=_verifier_refusals(lg, plan))
+               proved=[p.proved for p in lg.proofs], refusals=_verifier_refusals(lg, plan),
+               backward_gathers=sum(1 for n in lg.backward_graphs[0].graph.nodes
+                                    if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default))
     return out
 
 
