@@ -52,13 +52,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .graph_utils import set_fake
-from .tp_layouts import (FULL, PARTIAL, REPLICATED, Layout, Placement, Seq, Shard, TensorParallelError, check_divisible, local_shape,
+from .tp_layouts import (BODIES, FULL, PARTIAL, REPLICATED, Layout, Placement, Seq, Shard, TensorParallelError, check_divisible, local_shape,
                          normalize_dim, take_chunk)
 from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, SDPA, VIEWS, find_roles, is_linear, is_op, is_param,
                        is_pointwise, linear_parts, segments_of, set_linear_parts, where)
 from .tp_heads import Heads
-from .tp_shape_ops import ShapeOps
+from .tp_shape_ops import ShapeOps, propagate_local_values
 from .tp_vocab import Vocab
 
 @dataclass(frozen=True)
@@ -98,11 +97,6 @@ def shard_for_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec):
 
 
 # ---- the rewrite ------------------------------------------------------------------------------------
-
-# higher-order ops whose body runs inline, once (activation checkpointing recomputes it in the backward,
-# collectives included, alike on every rank)
-BODIES = {torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap}
-
 
 class _Rewriter(ShapeOps, Heads, Vocab):
     def __init__(self, gm, spec: TensorParallelSpec, roles: dict, params: dict, outer=None, operands=()):
@@ -224,7 +218,7 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                 self.lay[node] = FULL
         self._check_gathers_feed_split_work()
         if self.outer is None:
-            self._propagate_local_values()
+            propagate_local_values(self.gm, self.whole, self.record.placements, self.spec.tp, self.spec.rank)
 
     def _check_gathers_feed_split_work(self) -> None:
         """A sequence all-gather's backward sums every rank's gradient of the gathered value: right when each
@@ -387,34 +381,3 @@ class _Rewriter(ShapeOps, Heads, Vocab):
             self.record.collectives.append(("all_gather", g.name))
             return g
         node.args = torch.utils._pytree.tree_map_only(fx.Node, whole, node.args)
-
-    # local values -----------------------------------------------------------------------------------
-    def _propagate_local_values(self) -> None:
-        """Every node's fake value becomes its local one: placeholders cut by their placements, the rest
-        re-run on those (the collectives' fake kernels give their shapes)."""
-        mode = next((v.fake_mode for v in self.whole.values() if getattr(v, "fake_mode", None) is not None), None)
-        env = {}
-        for ph in self.graph.find_nodes(op="placeholder"):
-            v = self.whole[ph]
-            p = self.record.placements.get(ph.name)
-            if isinstance(v, torch.Tensor) and p is not None and p.dim is not None:
-                with mode:
-                    v = take_chunk(v.detach(), p.dim, p.segments, self.spec.tp, self.spec.rank).clone()
-                    v.requires_grad_(self.whole[ph].requires_grad)
-                set_fake(ph, v)
-            env[ph] = ph.meta.get("example_value", v)
-
-        class Prop(fx.Interpreter):
-            def run_node(self, n):
-                if n.op == "call_function" and n.target in BODIES:  # the body's nodes get their local values too
-                    args, _ = self.fetch_args_kwargs_from_env(n)
-                    Prop(args[0]).run(*args[1:])
-                out = super().run_node(n)
-                if n.op not in ("placeholder", "output"):
-                    n.meta["example_value"] = out
-                    if "val" in n.meta:
-                        n.meta["val"] = out
-                return out
-
-        with mode:
-            Prop(self.gm).run(*[env[ph] for ph in self.graph.find_nodes(op="placeholder")])

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 
 class TensorParallelError(ValueError):
     """A graph the tensor-parallel pass cannot split correctly, named at its source line."""
@@ -50,6 +52,9 @@ class Placement:
 
 REPLICATED = Placement("replicated")
 FULL = Layout("full")
+# higher-order ops whose body runs inline, once (activation checkpointing recomputes it in the backward,
+# collectives included, alike on every rank)
+BODIES = {torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap}
 PARTIAL = Layout("partial")
 
 

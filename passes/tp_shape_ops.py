@@ -8,9 +8,12 @@ a split dimension: a reduction over it, a reshape that interleaves it, a partial
 from __future__ import annotations
 
 import torch
+import torch.fx as fx
 import torch.nn.functional as F
 
-from .tp_layouts import FULL, Layout, TensorParallelError, aligned_dim, local_shape, normalize_dim, view_dim
+from .graph_utils import set_fake
+from .tp_layouts import (BODIES, FULL, Layout, TensorParallelError, aligned_dim, local_shape, normalize_dim,
+                         take_chunk, view_dim)
 from .tp_roles import is_op, where
 
 
@@ -146,3 +149,35 @@ def _index_dim(index, ndim: int, dim: int, shape, node) -> int:
             out += 1
         src += 1
     return out
+
+
+def propagate_local_values(gm: fx.GraphModule, whole: dict, placements: dict, tp: int, rank: int) -> None:
+    """Every node's fake value becomes its local one, in the graph and in the bodies it runs: parameter
+    placeholders cut by their placements, the rest re-run on those (the collectives' fake kernels give
+    their shapes)."""
+    mode = next((v.fake_mode for v in whole.values() if getattr(v, "fake_mode", None) is not None), None)
+    env = {}
+    for ph in gm.graph.find_nodes(op="placeholder"):
+        v = whole[ph]
+        p = placements.get(ph.name)
+        if isinstance(v, torch.Tensor) and p is not None and p.dim is not None:
+            with mode:
+                v = take_chunk(v.detach(), p.dim, p.segments, tp, rank).clone()
+                v.requires_grad_(whole[ph].requires_grad)
+            set_fake(ph, v)
+        env[ph] = ph.meta.get("example_value", v)
+
+    class Prop(fx.Interpreter):
+        def run_node(self, n):
+            if n.op == "call_function" and n.target in BODIES:  # the body's nodes get their local values too
+                args, _ = self.fetch_args_kwargs_from_env(n)
+                Prop(args[0]).run(*args[1:])
+            out = super().run_node(n)
+            if n.op not in ("placeholder", "output"):
+                n.meta["example_value"] = out
+                if "val" in n.meta:
+                    n.meta["val"] = out
+            return out
+
+    with mode:
+        Prop(gm).run(*[env[ph] for ph in gm.graph.find_nodes(op="placeholder")])
