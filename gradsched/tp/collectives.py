@@ -20,17 +20,17 @@ c10d = torch.ops._c10d_functional
 
 
 def _all_gather(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
-    """Concatenation along `dim` of every rank's `x`, in rank order."""
-    x = x.movedim(dim, 0).contiguous()
-    out = c10d.wait_tensor(c10d.all_gather_into_tensor(x, size, group))
-    return out.movedim(0, dim).contiguous()  # user code may .view() it
+    """Concatenation along `dim` of every rank's `x`, in rank order: gathered along dim 0 as they are (no
+    copy of a contiguous input), then one concatenation, as funcol's all_gather_tensor does."""
+    out = c10d.wait_tensor(c10d.all_gather_into_tensor(x.contiguous(), size, group))
+    return out if dim == 0 else torch.cat(out.chunk(size, 0), dim)
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int, group: str, size: int) -> torch.Tensor:
-    """This rank's chunk along `dim` of the sum over ranks of `x`."""
-    x = x.movedim(dim, 0).contiguous()
-    out = c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", size, group))
-    return out.movedim(0, dim).contiguous()
+    """This rank's chunk along `dim` of the sum over ranks of `x`: the chunks stacked along dim 0 (one copy),
+    reduce-scattered there, so the result needs no copy."""
+    x = x.contiguous() if dim == 0 else torch.cat(x.chunk(size, dim), 0)
+    return c10d.wait_tensor(c10d.reduce_scatter_tensor(x, "sum", size, group))
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:

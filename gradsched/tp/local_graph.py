@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from gradsched.passes.tensor_parallel import TensorParallelSpec
 from gradsched.passes.verify_tensor_parallel import TensorParallelGradSpec
@@ -44,6 +45,7 @@ class LocalGraph:
     placements: dict  # graph input index -> its parameter's Placement (every parameter input)
     proofs: list = field(default_factory=list)  # the verifier's proof of each backward graph
     backward_graphs: list = field(default_factory=list)  # a copy of each, as AOTAutograd derived it
+    forward_graphs: list = field(default_factory=list)  # a copy of each forward graph AOTAutograd made
 
 
 def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, inner: Callable,
@@ -81,10 +83,33 @@ def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, 
         proof.raise_if_unsafe()
         return inner(bw_gm, bw_inputs)
 
-    compiled = aot_autograd(fw_compiler=inner, bw_compiler=backward, decompositions=select_decomp_table())(
+    def forward_graph(fw_gm: fx.GraphModule, fw_inputs):
+        local.forward_graphs.append(copy.deepcopy(fw_gm))
+        return inner(fw_gm, fw_inputs)
+
+    compiled = aot_autograd(fw_compiler=forward_graph, bw_compiler=backward, decompositions=select_decomp_table(),
+                            partition_fn=min_cut_rematerialization_partition)(
         gm, [shards.get(i, x) for i, x in enumerate(example_inputs)])
 
     def forward(*args):
         return compiled(*[shards.get(i, a) for i, a in enumerate(args)])
     local.forward = forward
     return local
+
+
+def collective_bytes(graphs, tp: int) -> int:
+    """Bytes a rank sends over the TP group in one run of `graphs` (forward and backward), as a ring moves
+    them: (tp-1)/tp of the whole buffer for an all-gather or a reduce-scatter, twice that for an all-reduce."""
+    c10d = torch.ops._c10d_functional
+    total = 0.0
+    for gm in graphs:
+        for n in gm.graph.nodes:
+            v = n.meta.get("val")
+            if n.target is c10d.all_gather_into_tensor.default:
+                total += (tp - 1) / tp * v.numel() * v.element_size()
+            elif n.target is c10d.reduce_scatter_tensor.default:
+                x = n.args[0].meta["val"]
+                total += (tp - 1) / tp * x.numel() * x.element_size()
+            elif n.target is c10d.all_reduce.default:
+                total += 2 * (tp - 1) / tp * v.numel() * v.element_size()
+    return round(total)
