@@ -165,7 +165,7 @@ def rank_run(rank, world, c: dict, compiler: str, steps: int) -> dict:
     (names, lg), = local
     t = plan.index("tp")
     ours_err = 0.0
-    shard_of = {names[i]: (s, lg.placements[i]) for i, s in lg.shards.items()}
+    shard_of = {names[i]: (s, lg.partitions[i]) for i, s in lg.shards.items()}
     for n, p in ours.named_parameters():
         s, pl = shard_of.get(n, (p, None))
         want = ref_grads[n] if pl is None else take_chunk(ref_grads[n], pl.dim, pl.segments, world, t)
@@ -183,7 +183,7 @@ def rank_run(rank, world, c: dict, compiler: str, steps: int) -> dict:
             "logits_bytes": {"gradsched": int(logits[-1].numel() * logits[-1].element_size()) if logits else None,
                              "dtensor": int(their_logits[0])},
             "errors": {"gradsched": float(ours_err / scale), "dtensor": float(theirs_err / scale)},
-            "replicated_numel": int(sum(params[names[i]].numel() for i, p in lg.placements.items() if p.dim is None))}
+            "replicated_numel": int(sum(params[names[i]].numel() for i, p in lg.partitions.items() if p.dim is None))}
 
 
 def formula(c: dict, tp: int, replicated_numel: int, elem: int = 4) -> int:

@@ -28,7 +28,7 @@ Where each op goes: passes/tp_roles.py finds the roles, passes/tp_shape_ops.py, 
 tp_vocab.py rewrite shape and pointwise ops, attention, and the embedding and loss; this module
 walks the graph, places the parameters and inserts the collectives.
 
-Parameter placeholders then stand for this rank's shard (`record.placements`, by placeholder name;
+Parameter placeholders then stand for this rank's shard (`record.partitions`, by placeholder name;
 gradsched.tp.local_shards.local_shard cuts it) and every node's meta["example_value"] / meta["val"] is
 its local value. The collectives come from `spec` (the runtime's, passes import no runtime), over
 the group `spec.group`, in graph order, so every rank of the group issues the same ones.
@@ -52,7 +52,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .tp_layouts import (BODIES, FULL, PARTIAL, REPLICATED, Layout, Placement, Seq, Shard, TensorParallelError, check_divisible, local_shape,
+from .tp_layouts import (BODIES, FULL, PARTIAL, REPLICATED, Layout, Partition, Seq, Shard, TensorParallelError, check_divisible, local_shape,
                          normalize_dim, take_chunk)
 from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, SDPA, VIEWS, find_roles, is_linear, is_op, is_param,
                        is_pointwise, linear_parts, segments_of, set_linear_parts, where)
@@ -72,12 +72,11 @@ class TensorParallelSpec:
     gather_output: Callable  # (x, dim, group, tp, rank) -> all-gather; backward this rank's chunk
     cross_entropy: Callable | None = None  # (logits, target, lo, vocab, group, ignore_index, reduction,
     #   label_smoothing): F.cross_entropy from this rank's vocabulary columns (None: the logits are gathered)
-    overrides: dict = field(default_factory=dict)  # placeholder name -> Placement, to override what is found
 
 
 @dataclass
 class TensorParallelRecord:
-    placements: dict = field(default_factory=dict)  # parameter placeholder name -> Placement
+    partitions: dict = field(default_factory=dict)  # parameter placeholder name -> Partition
     roles: dict = field(default_factory=dict)  # linear/embedding node name -> its role
     collectives: list = field(default_factory=list)  # (kind, node name) in graph order
 
@@ -104,7 +103,9 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         self.params = params
         self.outer = outer  # a body's: the rewriter of the graph whose higher-order op runs it
         self.operand_of = dict(zip(gm.graph.find_nodes(op="placeholder"), operands))  # a body's placeholder -> operand
-        self.replicated_inside: set = set()  # a body's replicated parameters (summed in the outer graph)
+        # a body's replicated parameters (summed in the outer graph), in the order first read: a set's order
+        # would differ across ranks, and the sums' all-reduces with it (same shapes: silently mixed)
+        self.replicated_inside: dict = {}
         self.record = outer.record if outer else TensorParallelRecord()
         self.record.roles.update({n.name: r for n, r in roles.items()})
         self.lay: dict = {}  # node -> Layout (a tuple of them for a split's pieces)
@@ -116,20 +117,19 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         self.bias_of: dict = {}  # partial node -> the bias to add after its reduction
         self.summed: dict = {}  # replicated parameter placeholder -> its grad_sum node
 
-    # placements ---------------------------------------------------------------------------------
-    def _place(self, ph: fx.Node, placement: Placement, at: fx.Node) -> None:
+    # partitions ---------------------------------------------------------------------------------
+    def _assign(self, ph: fx.Node, partition: Partition, at: fx.Node) -> None:
         if self.outer is not None:  # a body's parameter is the outer graph's
-            return self.outer._place(self.operand_of[ph], placement, at)
-        placement = self.spec.overrides.get(ph.name, placement)
-        old = self.record.placements.get(ph.name)
-        if old is not None and (old.dim, old.segments) != (placement.dim, placement.segments):
+            return self.outer._assign(self.operand_of[ph], partition, at)
+        old = self.record.partitions.get(ph.name)
+        if old is not None and (old.dim, old.segments) != (partition.dim, partition.segments):
             raise TensorParallelError(
-                f"parameter {ph.name} would be split two ways: {old} and, at {where(at)}, {placement}. "
-                "Untie the two uses or give it one placement in the plan's overrides.")
-        if placement.dim is not None:
-            check_divisible(self.whole[ph].shape[placement.dim], Shard(placement.dim, placement.segments),
+                f"parameter {ph.name} would be split two ways: {old} and, at {where(at)}, {partition}. "
+                "Untie the two uses, or train with tp=1.")
+        if partition.dim is not None:
+            check_divisible(self.whole[ph].shape[partition.dim], Shard(partition.dim, partition.segments),
                             self.spec.tp, f"parameter {ph.name} at {where(at)}")
-        self.record.placements[ph.name] = placement if old is None or old.role == "replicated" else old
+        self.record.partitions[ph.name] = partition if old is None or old.role == "replicated" else old
 
     def _param_arg(self, node: fx.Node, ph) -> fx.Node:
         """A replicated parameter's use goes through grad_sum (inserted once, after the placeholders)."""
@@ -137,14 +137,14 @@ class _Rewriter(ShapeOps, Heads, Vocab):
             return ph
         if self.outer is not None:  # inside a body: summed where the outer graph passes it in
             name = self.operand_of[ph].name
-            if name not in self.record.placements:
-                self._place(ph, REPLICATED, node)
-            if self.record.placements[name].dim is None:
-                self.replicated_inside.add(ph)
+            if name not in self.record.partitions:
+                self._assign(ph, REPLICATED, node)
+            if self.record.partitions[name].dim is None:
+                self.replicated_inside.setdefault(ph, None)
             return ph
-        if ph.name not in self.record.placements:
-            self._place(ph, REPLICATED, node)
-        if self.record.placements[ph.name].dim is not None:
+        if ph.name not in self.record.partitions:
+            self._assign(ph, REPLICATED, node)
+        if self.record.partitions[ph.name].dim is not None:
             return ph
         if ph not in self.summed:
             with self.graph.inserting_before(self.body):
@@ -218,7 +218,7 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                 self.lay[node] = FULL
         self._check_gathers_feed_split_work()
         if self.outer is None:
-            propagate_local_values(self.gm, self.whole, self.record.placements, self.spec.tp, self.spec.rank)
+            propagate_local_values(self.gm, self.whole, self.record.partitions, self.spec.tp, self.spec.rank)
 
     def _check_gathers_feed_split_work(self) -> None:
         """A sequence all-gather's backward sums every rank's gradient of the gathered value: right when each
@@ -245,6 +245,15 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         return self.lay.get(a, FULL) if isinstance(a, fx.Node) else FULL
 
     def _visit(self, node: fx.Node) -> None:
+        if node.target is operator.getitem and isinstance(self.lay.get(node.args[0]), tuple):
+            self.lay[node] = self.lay[node.args[0]][node.args[1]]  # a piece of a split
+            return
+        for a in node.all_input_nodes:  # a partial sum is reduced before anything but a view reads it
+            if self._l(a).kind == "partial":
+                if is_op(node, (torch.reshape,), VIEWS | {"contiguous"}):  # a sum's view is the view's sum
+                    self.lay[node], self.bias_of[node] = PARTIAL, self.bias_of.get(a)
+                    return
+                node.replace_input_with(a, self._reduce(a, node))
         if node.op == "call_function" and node.target in BODIES:
             return self._body(node)
         role = self.roles.get(node)
@@ -252,19 +261,11 @@ class _Rewriter(ShapeOps, Heads, Vocab):
             return self._linear(node, role)
         if is_op(node, EMBEDDING):
             return self._embedding(node, role)
-        if node.target is operator.getitem and isinstance(self.lay.get(node.args[0]), tuple):
-            self.lay[node] = self.lay[node.args[0]][node.args[1]]  # a piece of a split
-            return
-        for a in node.all_input_nodes:
-            if self._l(a).kind == "partial":
-                if is_op(node, (torch.reshape,), VIEWS | {"contiguous"}):  # a sum's view is the view's sum
-                    self.lay[node], self.bias_of[node] = PARTIAL, self.bias_of.get(a)
-                    return
-                node.replace_input_with(a, self._reduce(a, node))
+        self._refuse_dropout(node)
         lays = [self._l(a) for a in node.all_input_nodes]
-        # replicated parameters read anywhere else (norm weights, q/k norms, biases) are summed over TP
-        node.args = tuple(self._param_arg(node, a) for a in node.args)
-        node.kwargs = {k: self._param_arg(node, v) for k, v in node.kwargs.items()}
+        # replicated parameters read anywhere else (norm weights, q/k norms, biases), in lists too, are summed
+        node.args = torch.utils._pytree.tree_map_only(fx.Node, lambda a: self._param_arg(node, a), node.args)
+        node.kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda a: self._param_arg(node, a), node.kwargs)
         split = [l for l in lays if l.split]
         if not split:
             self.lay[node] = FULL
@@ -305,6 +306,20 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                                   "or express the layer with linear, SDPA and pointwise ops.")
 
     # ops --------------------------------------------------------------------------------------------
+    def _refuse_dropout(self, node) -> None:
+        """Dropout draws the same random numbers on every TP rank (no per-rank generator yet): on a rank's
+        tokens or heads that is not one process's dropout."""
+        p = None
+        if is_op(node, (F.dropout,)):
+            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
+            if not node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True):
+                p = 0
+        elif is_op(node, SDPA):
+            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+        if p and any(self._l(a).split for a in node.all_input_nodes):
+            raise TensorParallelError(f"the dropout at {where(node)} (p={p}) would draw the same random numbers on "
+                                      "every TP rank's tokens or heads: train with dropout 0 under tp > 1.")
+
     def _linear(self, node, role) -> None:
         x, w, b, out_dim = linear_parts(node)
         lx = self._l(x)
@@ -315,17 +330,17 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                 raise TensorParallelError(f"the column-parallel projection at {where(node)} reads a value laid "
                                           f"out {lx}.")
             segments = segments_of(node) if role == "column" else 1
-            place = Placement("column" if role == "column" else "vocab", out_dim, segments)
-            self._place(w, place, node)
+            place = Partition("column" if role == "column" else "vocab", out_dim, segments)
+            self._assign(w, place, node)
             if isinstance(b, fx.Node):
-                self._place(b, Placement(place.role, 0, segments), node)
+                self._assign(b, Partition(place.role, 0, segments), node)
             set_linear_parts(node, x, w, b)
             self.lay[node] = Shard(self.whole[node].dim() - 1, segments)
         elif role == "row":
             if lx.kind != "shard" or lx.dim != self.whole[x].dim() - 1:
                 raise TensorParallelError(f"the row-parallel projection at {where(node)} reads a value laid "
                                           f"out {lx}, not split along its features.")
-            self._place(w, Placement("row", 1 - out_dim, lx.segments), node)
+            self._assign(w, Partition("row", 1 - out_dim, lx.segments), node)
             set_linear_parts(node, x, w, None)  # the bias is added once, after the reduction
             self.lay[node] = PARTIAL
             self.bias_of[node] = b

@@ -43,14 +43,14 @@ class Layout:
 
 
 @dataclass(frozen=True)
-class Placement:
+class Partition:
     """How a parameter is split over TP: its `dim` (None: replicated) in `segments` blocks, each split in tp."""
     role: str  # "column" | "row" | "vocab" | "replicated"
     dim: int | None = None
     segments: int = 1
 
 
-REPLICATED = Placement("replicated")
+REPLICATED = Partition("replicated")
 FULL = Layout("full")
 # higher-order ops whose body runs inline, once (activation checkpointing recomputes it in the backward,
 # collectives included, alike on every rank)

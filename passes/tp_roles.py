@@ -125,8 +125,10 @@ def segments_of(lin: fx.Node) -> int:
         users, nd = list(users[0].users), fake_value(users[0]).dim()
     if len(users) == 1 and is_op(users[0], (torch.split,), {"split", "chunk"}):
         u = users[0]
-        if normalize_dim(u.kwargs.get("dim", u.args[2] if len(u.args) > 2 else 0), nd) == nd - 1:
-            return len(u.meta["example_value"])
+        pieces = [p.shape[-1] for p in u.meta["example_value"]]
+        if normalize_dim(u.kwargs.get("dim", u.args[2] if len(u.args) > 2 else 0), nd) == nd - 1 and \
+                len(set(pieces)) == 1:  # equal blocks only: unequal ones (fused GQA q, k, v) are refused at the split
+            return len(pieces)
     return 1
 
 

@@ -90,14 +90,16 @@ class ShapeOps:
     def _reduction(self, node) -> None:
         x = node.args[0]
         lay, nd = self._l(x), self.whole[x].dim()
-        dims = node.kwargs.get("dim", node.args[1] if len(node.args) > 1 else None)
+        # where dim and keepdim sit: Tensor.norm(p, dim, keepdim), var/std(dim, unbiased, keepdim), else (dim, keepdim)
+        at_dim, at_keep = {"norm": (2, 3), "var": (1, 3), "std": (1, 3)}.get(node.target, (1, 2))
+        dims = node.kwargs.get("dim", node.args[at_dim] if len(node.args) > at_dim else None)
         dims = tuple(range(nd)) if dims is None else (dims,) if isinstance(dims, int) else tuple(dims)
         dims = {normalize_dim(d, nd) for d in dims}
         if lay.dim in dims:
             what = "the sequence" if lay.kind == "seq" else "heads or features split over tp"
             raise TensorParallelError(f"the {node.target} at {where(node)} reduces over {what} (dimension "
                                       f"{lay.dim}): each rank holds only its chunk. Train this model with tp=1.")
-        keep = node.kwargs.get("keepdim", node.args[2] if len(node.args) > 2 else False)
+        keep = node.kwargs.get("keepdim", node.args[at_keep] if len(node.args) > at_keep else False)
         if node.target in ("softmax", "log_softmax") or node.target in (torch.softmax, F.softmax):
             keep = True
         self.lay[node] = lay.at(lay.dim - (0 if keep else sum(1 for d in dims if d < lay.dim)))
@@ -106,14 +108,19 @@ class ShapeOps:
         """Operands' layouts agree; a value every rank holds whole that spans the split dimension is sliced."""
         out_nd = self.whole[node].dim()
         target = None
-        for a in node.all_input_nodes:
+        # x.type_as(y) and x.to(y) read only y's dtype: y's layout is not the result's
+        operands = node.args[:1] if is_op(node, (), {"type_as", "to"}) else node.all_input_nodes
+        for a in operands:
             l = self._l(a)
             if l.split:
                 t = Layout(l.kind, aligned_dim(out_nd, self.whole[a].dim(), l.dim), l.segments)
                 if target is not None and t != target:
                     raise TensorParallelError(f"the op at {where(node)} combines values laid out {target} and {t}.")
                 target = t
-        for a in list(node.all_input_nodes):
+        if target is None:  # only a dtype donor is split
+            self.lay[node] = FULL
+            return
+        for a in [a for a in operands if isinstance(a, fx.Node)]:
             v = self.whole.get(a)
             if self._l(a).split or not isinstance(v, torch.Tensor):
                 continue
@@ -128,6 +135,10 @@ def _index_dim(index, ndim: int, dim: int, shape, node) -> int:
     """The output dimension of input dimension `dim` under tensor indexing `index`; the split dimension
     itself may only be taken whole."""
     index = index if isinstance(index, tuple) else (index,)
+    if any(not (i is None or i is Ellipsis or isinstance(i, (int, slice))) or isinstance(i, bool) for i in index):
+        raise TensorParallelError(f"the indexing at {where(node)} takes a tensor, list or boolean index on a value "
+                                  "split over tp, whose dimensions it may move or merge: index it with slices, or "
+                                  "train with tp=1.")
     explicit = sum(1 for i in index if i is not None and i is not Ellipsis)
     expanded = []
     for i in index:
@@ -151,15 +162,15 @@ def _index_dim(index, ndim: int, dim: int, shape, node) -> int:
     return out
 
 
-def propagate_local_values(gm: fx.GraphModule, whole: dict, placements: dict, tp: int, rank: int) -> None:
+def propagate_local_values(gm: fx.GraphModule, whole: dict, partitions: dict, tp: int, rank: int) -> None:
     """Every node's fake value becomes its local one, in the graph and in the bodies it runs: parameter
-    placeholders cut by their placements, the rest re-run on those (the collectives' fake kernels give
+    placeholders cut by their partitions, the rest re-run on those (the collectives' fake kernels give
     their shapes)."""
     mode = next((v.fake_mode for v in whole.values() if getattr(v, "fake_mode", None) is not None), None)
     env = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = whole[ph]
-        p = placements.get(ph.name)
+        p = partitions.get(ph.name)
         if isinstance(v, torch.Tensor) and p is not None and p.dim is not None:
             with mode:
                 v = take_chunk(v.detach(), p.dim, p.segments, tp, rank).clone()

@@ -13,7 +13,7 @@ import operator
 
 import torch.nn.functional as F
 
-from .tp_layouts import FULL, PARTIAL, Placement, Shard, TensorParallelError, check_divisible
+from .tp_layouts import FULL, PARTIAL, Partition, Shard, TensorParallelError, check_divisible
 from .tp_roles import where
 
 
@@ -26,10 +26,14 @@ class Vocab:
             node.args = (ids, self._param_arg(node, w)) + tuple(node.args[2:])
             self.lay[node] = FULL
             return
-        if any(a not in (None, False, 2.0) for a in node.args[2:]) or node.kwargs:
+        # F.embedding(input, weight, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse), by identity:
+        # 0 == False and 2 == 2.0, so a padding_idx of 0 or 2 must not pass for a default
+        rest = list(node.args[2:]) + [None] * (7 - len(node.args))
+        if rest[0] is not None or rest[1] is not None or rest[2] not in (2, 2.0) or rest[3] not in (False, None) \
+                or rest[4] not in (False, None) or node.kwargs:
             raise TensorParallelError(f"the vocab-parallel embedding at {where(node)} has padding_idx, max_norm "
                                       "or sparse set: train it with tp=1, or without them.")
-        self._place(w, Placement("vocab", 0), node)
+        self._assign(w, Partition("vocab", 0), node)
         vocab = self.whole[w].shape[0]
         lo, n = self.spec.rank * vocab // self.spec.tp, vocab // self.spec.tp
         with self.graph.inserting_before(node):

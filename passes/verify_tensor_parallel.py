@@ -1,4 +1,4 @@
-"""Static verifier of a tensor-parallel backward graph: every gradient is reduced over TP as its placement needs.
+"""Static verifier of a tensor-parallel backward graph: every gradient is reduced over TP as its partition needs.
 
 For each parameter gradient the graph returns, over the graph's data-flow (networkx), it proves:
 
@@ -38,12 +38,12 @@ class TensorParallelProof:
 
     def raise_if_unsafe(self) -> None:
         if not self.ok:
-            raise TensorParallelHazard("tensor-parallel gradients are not reduced as their placements need: "
+            raise TensorParallelHazard("tensor-parallel gradients are not reduced as their partitions need: "
                                        + "; ".join(self.hazards))
 
 
 class TensorParallelHazard(RuntimeError):
-    """A backward graph whose TP reductions do not match its parameters' placements."""
+    """A backward graph whose TP reductions do not match its parameters' partitions."""
 
 
 def verify_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelGradSpec) -> TensorParallelProof:
@@ -57,6 +57,9 @@ def verify_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelGradSpec) -> 
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     outputs = gm.graph.output_node().args[0]
     proof = TensorParallelProof()
+    if not spec.grads:
+        proof.hazards.append("no gradient of the graph could be matched to a parameter (no AOTAutograd output "
+                             "descriptors?): nothing was proved")
     for index, (name, replicated) in sorted(spec.grads.items()):
         grad = outputs[index] if index < len(outputs) else None
         if not isinstance(grad, fx.Node):

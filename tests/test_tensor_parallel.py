@@ -57,7 +57,7 @@ def test_float32_llama_under_inductor_is_no_further_from_float64_than_one_float3
 
 
 def test_the_tiny_gpt_is_split_as_megatron_splits_it(tp2):
-    p = tp2[0][("tiny_gpt", "eager", "float64", "outside")]["placements"]
+    p = tp2[0][("tiny_gpt", "eager", "float64", "outside")]["partitions"]
     assert p["wte.weight"] == ("vocab", 0, 1)  # the embedding and the tied head, one shard a rank
     assert p["blocks.0.qkv.weight"] == ("column", 0, 3)  # each of q, k, v split by heads
     assert p["blocks.0.proj.weight"] == ("row", 1, 1)
@@ -67,26 +67,28 @@ def test_the_tiny_gpt_is_split_as_megatron_splits_it(tp2):
         assert p[whole] == ("replicated", None, 1), whole
 
 
-def test_every_rank_finds_the_same_placements_and_collectives(tp2, tp4):
+def test_every_rank_finds_the_same_partitions_and_issues_the_same_collectives_in_order(tp2, tp4):
+    """Matched by identity: each collective's kind and what it reduces (a gradient sum names its parameter),
+    position by position. Sums of same-shaped gradients issued in another order on one rank would add
+    unrelated tensors without any error."""
     for ranks in (tp2, tp4):
         for case in ranks[0]:
-            assert all(r[case]["placements"] == ranks[0][case]["placements"] for r in ranks), case
-            assert all([k for k, _ in r[case]["collectives"]] == [k for k, _ in ranks[0][case]["collectives"]]
-                       for r in ranks), case
+            assert all(r[case]["partitions"] == ranks[0][case]["partitions"] for r in ranks), case
+            assert all(r[case]["collectives"] == ranks[0][case]["collectives"] for r in ranks), case
 
 
 def test_llama_keys_and_values_with_fewer_heads_than_tp_stay_whole_and_its_queries_split(tp2, tp4):
-    at4 = tp4[0][("hf_llama", "eager", "float64", "in_graph")]["placements"]
+    at4 = tp4[0][("hf_llama", "eager", "float64", "in_graph")]["partitions"]
     assert at4["model.layers.0.self_attn.k_proj.weight"] == ("replicated", None, 1)
     assert at4["model.layers.0.self_attn.q_proj.weight"] == ("column", 0, 1)
-    at2 = tp2[0][("hf_llama", "eager", "float64", "outside")]["placements"]
+    at2 = tp2[0][("hf_llama", "eager", "float64", "outside")]["partitions"]
     assert at2["model.layers.0.self_attn.k_proj.weight"] == ("column", 0, 1)
     assert at2["model.layers.0.mlp.gate_proj.weight"] == at2["model.layers.0.mlp.up_proj.weight"] == ("column", 0, 1)
     assert at2["model.layers.0.mlp.down_proj.weight"] == ("row", 1, 1)
 
 
 def test_gpt2_conv1d_weights_split_along_their_output_features(tp2):
-    p = tp2[0][("hf_gpt2", "eager", "float64", "outside")]["placements"]
+    p = tp2[0][("hf_gpt2", "eager", "float64", "outside")]["partitions"]
     assert p["transformer.h.0.attn.c_attn.weight"] == ("column", 1, 3)  # Conv1D holds [in, out]
     assert p["transformer.h.0.attn.c_proj.weight"] == ("row", 0, 1)
     assert p["transformer.wte.weight"] == ("vocab", 0, 1)
@@ -118,7 +120,7 @@ def test_every_backward_graph_is_proved_and_refused_with_any_tp_sum_removed_or_a
         for case, r in ranks[0].items():
             (proved,) = r["proved"]
             assert {how for _, how in proved} == {"summed once", "never summed"}, case
-            assert len(proved) == len(r["placements"]) == len(r["refusals"]), case
+            assert len(proved) == len(r["partitions"]) == len(r["refusals"]), case
             for param, why in r["refusals"].items():
                 assert why is not None and "TP" in why, (case, param, why)
 
@@ -129,7 +131,7 @@ def test_checkpointed_blocks_split_alike_and_recompute_their_gathers_in_the_back
     plain = tp2[0][("tiny_gpt", "eager", "float64", "in_graph")]
     for mode in ("tiny_gpt_checkpointed", "tiny_gpt_selective"):
         r = tp2[0][(mode, "eager" if mode.endswith("checkpointed") else "inductor", "float64", "in_graph")]
-        assert r["placements"] == plain["placements"], mode
+        assert r["partitions"] == plain["partitions"], mode
         assert r["backward_gathers"] == plain["backward_gathers"] + 2 * 2, (mode, r["backward_gathers"])
 
 
@@ -196,3 +198,49 @@ def test_an_op_that_mixes_heads_is_refused_by_name():
         return x + b.proj(y.transpose(1, 2).reshape(B, T, C))
     msg = _refusal(MixHeads(GPTConfig(layers=1)), 2, 16)
     assert "test_tensor_parallel.py" in msg and "mean" in msg, msg
+
+
+def test_a_padding_index_of_zero_on_the_vocab_parallel_embedding_is_refused_not_dropped():
+    from tiny_gpt import GPTConfig, TinyGPT
+    model = TinyGPT(GPTConfig())
+    model.wte.padding_idx = 0  # 0 == False: must not pass for the default
+    msg = _refusal(model, 2, 16)
+    assert "padding_idx" in msg, msg
+
+
+def test_a_fused_projection_split_into_unequal_blocks_is_refused():
+    """Fused GQA (q wider than k and v): cutting the weight in equal thirds would hand a rank another head."""
+    import torch
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    class FusedGQA(TinyGPT):
+        def __init__(self, c):
+            super().__init__(c)
+            for b in self.blocks:  # 4 query heads, 2 key/value heads of 8
+                b.qkv = torch.nn.Linear(c.dim, c.dim + 2 * 16, bias=False)
+
+        def forward(self, idx):
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+            for b in self.blocks:
+                B, T, C = x.shape
+                q, k, v = b.qkv(b.ln1(x)).split((C, 16, 16), dim=2)
+                q = q.view(B, T, 4, 8).transpose(1, 2)
+                k, v = (t.view(B, T, 2, 8).transpose(1, 2) for t in (k, v))
+                y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                x = x + b.proj(y.transpose(1, 2).reshape(B, T, C))
+            return self.lm_head(self.ln_f(x))
+    msg = _refusal(FusedGQA(GPTConfig(layers=1)), 2, 16)
+    assert "split" in msg and "test_tensor_parallel.py" in msg, msg
+
+
+def test_dropout_on_a_ranks_tokens_is_refused():
+    import torch
+    from tiny_gpt import GPTConfig, TinyGPT
+
+    class Dropped(TinyGPT):
+        def forward(self, idx):
+            return super().forward(idx)
+    model = Dropped(GPTConfig(layers=1))
+    model.ln_f.register_forward_hook(lambda m, i, out: torch.nn.functional.dropout(out, 0.1, training=True))
+    msg = _refusal(model, 2, 16)
+    assert "dropout" in msg and "p=0.1" in msg, msg

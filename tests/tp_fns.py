@@ -73,6 +73,7 @@ def one_case(plan, model: str, compiler: str, dtype: torch.dtype, loss: str = "o
     |difference| (inf on any NaN), and, for float32, the same of the float32 model in one process.
     loss="outside": the compiled model returns whole logits; otherwise the loss is compiled with it (loss
     parallel: the logits are never gathered)."""
+    torch._dynamo.reset()  # each case compiles afresh: Dynamo's per-code caches (and their size limit) are per process
     x, y = make_batch(2, GPTConfig(seq=SEQ), seed=1)
     loss_fn = LOSSES[loss]
     ref_model, fwd = build(model, torch.float64)
@@ -104,19 +105,19 @@ def one_case(plan, model: str, compiler: str, dtype: torch.dtype, loss: str = "o
         loss = torch.compile(lambda x, y: loss_fn(fwd(m, x), y), backend=backend, fullgraph=True)(x, y)
     loss.backward()
     (names, lg), = local
-    shard_of = {names[i]: (s, lg.placements[i]) for i, s in lg.shards.items()}
+    shard_of = {names[i]: (s, lg.partitions[i]) for i, s in lg.shards.items()}
     out["loss_err"] = abs_diff(loss.detach().double(), ref_loss.detach())
-    grad_err, placements = 0.0, {}
+    grad_err, partitions = 0.0, {}
     for n, p in m.named_parameters():
         if n in shard_of:
             s, pl = shard_of[n]
             got, want = s.grad, take_chunk(ref[n], pl.dim, pl.segments, plan.tp, plan.index("tp"))
-            placements[n] = (pl.role, pl.dim, pl.segments)
+            partitions[n] = (pl.role, pl.dim, pl.segments)
         else:
             got, want = p.grad, ref[n]
-            placements[n] = ("replicated", None, 1)
+            partitions[n] = ("replicated", None, 1)
         grad_err = max(grad_err, math.inf if got is None else abs_diff(got.double(), want))
-    out.update(grad_err=grad_err, err=max(grad_err, out["loss_err"]), placements=placements, collectives=list(lg.record.collectives),
+    out.update(grad_err=grad_err, err=max(grad_err, out["loss_err"]), partitions=partitions, collectives=list(lg.record.collectives),
                proved=[p.proved for p in lg.proofs], refusals=_verifier_refusals(lg, plan),
                backward_gathers=sum(1 for n in lg.backward_graphs[0].graph.nodes
                                     if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default))
@@ -134,8 +135,8 @@ def _verifier_refusals(lg, plan) -> dict:
     grads = {}
     for out, desc in enumerate(bw.graph.output_node().meta.get("desc") or []):
         i = getattr(getattr(desc, "grad_of", None), "idx", None)
-        if i in lg.placements:
-            grads[out] = (str(i), lg.placements[i].dim is None)
+        if i in lg.partitions:
+            grads[out] = (str(i), lg.partitions[i].dim is None)
     spec = TensorParallelGradSpec(group, grads)
     refusals = {}
     for o, (i, replicated) in grads.items():

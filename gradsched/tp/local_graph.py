@@ -27,14 +27,12 @@ from gradsched.tp.loss_parallel import vocab_parallel_cross_entropy
 from gradsched.tp.local_shards import local_shard
 
 
-def tensor_parallel_spec(plan, seq_len: int, overrides: dict | None = None,
-                         loss_parallel: bool = True) -> TensorParallelSpec:
+def tensor_parallel_spec(plan, seq_len: int, loss_parallel: bool = True) -> TensorParallelSpec:
     """The pass's spec over the plan's TP group, with this runtime's collectives (and its vocab-parallel
     cross-entropy for a loss in the graph, unless loss_parallel=False: then the logits are gathered)."""
     return TensorParallelSpec(plan.tp, plan.index("tp"), plan.process_group("tp").group_name, seq_len,
                               collectives.gather_sequence, collectives.scatter_sequence, collectives.grad_sum,
-                              collectives.gather_output, vocab_parallel_cross_entropy if loss_parallel else None,
-                              dict(overrides or {}))
+                              collectives.gather_output, vocab_parallel_cross_entropy if loss_parallel else None)
 
 
 @dataclass
@@ -42,7 +40,7 @@ class LocalGraph:
     forward: Callable  # takes Dynamo's arguments (whole parameters), runs this rank's graph
     record: object  # the pass's TensorParallelRecord
     shards: dict  # graph input index -> this rank's shard (a leaf Parameter) of that parameter
-    placements: dict  # graph input index -> its parameter's Placement (every parameter input)
+    partitions: dict  # graph input index -> its parameter's Partition (every parameter input)
     proofs: list = field(default_factory=list)  # the verifier's proof of each backward graph
     backward_graphs: list = field(default_factory=list)  # a copy of each, as AOTAutograd derived it
     forward_graphs: list = field(default_factory=list)  # a copy of each forward graph AOTAutograd made
@@ -58,23 +56,23 @@ def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, 
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     record = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions(tp=spec.tp),
                                {"shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
-    shards, placements, names = {}, {}, dict(names or {})
+    shards, partitions, names = {}, {}, dict(names or {})
     for i, (ph, value) in enumerate(zip(placeholders, example_inputs)):
-        p = record.placements.get(ph.name)
+        p = record.partitions.get(ph.name)
         if p is None:
             continue
-        placements[i] = p
+        partitions[i] = p
         names.setdefault(i, ph.name)
         if p.dim is not None:
             shards[i] = torch.nn.Parameter(local_shard(value, p, spec.tp, spec.rank), requires_grad=value.requires_grad)
-    local = LocalGraph(None, record, shards, placements)
+    local = LocalGraph(None, record, shards, partitions)
 
     def backward(bw_gm: fx.GraphModule, bw_inputs):
         grads = {}
         for out, desc in enumerate(bw_gm.graph.output_node().meta.get("desc") or []):
             i = getattr(getattr(desc, "grad_of", None), "idx", None)
-            if i in placements:
-                grads[out] = (names[i], placements[i].dim is None)
+            if i in partitions:
+                grads[out] = (names[i], partitions[i].dim is None)
         local.backward_graphs.append(copy.deepcopy(bw_gm))
         proof = pass_pipeline.run("backward", bw_gm, pass_pipeline.Conditions(tp=spec.tp), {
             "grad_ready_order": {o: n for o, (n, _) in grads.items()},

@@ -29,7 +29,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         lse = _all_reduce(exp.sum(dim=-1), "sum", group).log()  # log-sum-exp less the row maximum
         inside = (target >= lo) & (target < lo + n)
         local = (target - lo) * inside
-        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * inside
+        picked = torch.where(inside, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)  # -inf * 0 is NaN
         loss = lse - _all_reduce(picked, "sum", group)
         if smoothing:
             mean_logit = _all_reduce(shifted.sum(dim=-1), "sum", group) / vocab
