@@ -96,6 +96,7 @@ def _inner(compiler: str):
 def rank_run(rank, world, c: dict, compiler: str, steps: int) -> dict:
     import gradsched
     from gradsched.passes.tp_layouts import take_chunk
+    from tied_training import abs_diff
     from gradsched.tp.local_graph import collective_bytes, compile_local, tensor_parallel_spec
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -169,11 +170,11 @@ def rank_run(rank, world, c: dict, compiler: str, steps: int) -> dict:
     for n, p in ours.named_parameters():
         s, pl = shard_of.get(n, (p, None))
         want = ref_grads[n] if pl is None else take_chunk(ref_grads[n], pl.dim, pl.segments, world, t)
-        ours_err = max(ours_err, (s.grad.double() - want).abs().max().item())
+        ours_err = max(ours_err, abs_diff(s.grad.double(), want))  # inf on NaN: max(0.0, nan) is 0.0
     theirs_err = 0.0
     for n, p in theirs.named_parameters():
         g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-        theirs_err = max(theirs_err, (g.double() - ref_grads[n]).abs().max().item())
+        theirs_err = max(theirs_err, abs_diff(g.double(), ref_grads[n]))
     logits = [n.meta["val"] for gm in lg.forward_graphs for n in gm.graph.nodes
               if n.op == "call_function" and n.target is torch.ops.aten.mm.default
               and n.meta["val"].shape[-1] == c["vocab"] // world]
