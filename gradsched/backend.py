@@ -92,6 +92,9 @@ def _sync_for_backend_by_name(plan, options: dict, params):
         refuse.append(f"microbatches={opts.microbatches}: only a driver knows which backward ends a step")
     if opts.placement == "flush":
         refuse.append("placement='flush': nothing would call the flush")
+    if plan.tp > 1:
+        refuse.append(f"tp={plan.tp}: each rank trains its shards of the layers, which only a ParallelModel keeps, "
+                      "gathers (state_dict, checkpoints) and steps")
     if opts.shard == "params":
         refuse.append("shard='params': the model's own parameters would be left without storage, and only a "
                       "ParallelModel reads them back whole (state_dict, checkpoints)")
@@ -140,16 +143,34 @@ def _refuse_meta(params: dict) -> None:
                          "init_weights=fn), which allocates each rank's stage; or build it on a real device.")
 
 
+def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dict, tp_shards):
+    """tp > 1: Dynamo's graph split for this TP rank (passes/tensor_parallel.py), in place. Returns {input index:
+    this rank's shard} of the TP-sharded parameter inputs, cut once a model (gradsched.tp.local_shards)."""
+    from gradsched.tp.local_graph import shard_graph, tensor_parallel_spec
+    spec = tensor_parallel_spec(plan, _local_sequence_length(example_inputs))
+    name = lambda i: params[i][0] if i in params else f"graph input {i}"  # noqa: E731
+    return shard_graph(gm, example_inputs, spec, lambda i, whole, p: tp_shards.shard(whole, p, name(i)))[2]
+
+
+def _static(shard: torch.Tensor) -> torch.Tensor:
+    """A shard as AOTAutograd's example input: fake in Dynamo's fake mode with static sizes (it is no input Dynamo
+    traced, so a symbol for its sizes would have no source to guard on)."""
+    from torch._guards import TracingContext
+    ctx = TracingContext.try_get()
+    return ctx.fake_mode.from_tensor(shard, static_shapes=True) if ctx is not None and ctx.fake_mode else shard
+
+
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
-                      plan=None):
+                      plan=None, tp_shards=None):
     """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
-    in `options`; gradsched.parallelize passes its plan and the stage's GradSync. Compiling is a journal
-    entry of kind "compile": peers waiting meanwhile give it compile_timeout_s, not fault_timeout_s."""
+    in `options`; gradsched.parallelize passes its plan, the stage's GradSync and, under tp > 1, the model's TP
+    shards (gradsched.tp.local_shards). Compiling is a journal entry of kind "compile": peers waiting meanwhile
+    give it compile_timeout_s, not fault_timeout_s."""
     with JOURNAL.entry("compiling a graph (Dynamo's graph: AOTAutograd, gradsched's passes, Inductor)", "compile"):
-        return _compile(gm, example_inputs, options, grad_sync, plan)
+        return _compile(gm, example_inputs, options, grad_sync, plan, tp_shards)
 
 
-def _compile(gm, example_inputs, options, grad_sync, plan):
+def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards):
     options = dict(options or {})
     plan = options.pop("plan", plan)
     params = parameter_inputs(gm, example_inputs)
@@ -161,6 +182,12 @@ def _compile(gm, example_inputs, options, grad_sync, plan):
             make_tensors_equal(_module_tensors(gm, example_inputs), plan)
     opts = grad_sync.options
     compiler = opts.compiler
+    swap = {}  # tp > 1: input index -> this TP rank's shard, passed in place of the whole parameter
+    if plan.tp > 1:
+        swap = tensor_parallel_shards(gm, example_inputs, plan, params, tp_shards)
+        example_inputs = [_static(swap[i]) if i in swap else x for i, x in enumerate(example_inputs)]
+        params = {i: (n, swap.get(i, p)) for i, (n, p) in params.items()}
+    tp_sharded = frozenset(params[i][0] for i in swap if i in params)
     if plan.cp > 1:
         grad_sync.attention_reports.append(lower_attention(gm, example_inputs, plan, opts))
 
@@ -178,7 +205,8 @@ def _compile(gm, example_inputs, options, grad_sync, plan):
             idx = getattr(of, "idx", None)
             if idx in params:
                 grad_names[out_idx] = params[idx][0]
-        return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()}, names)
+        return grad_sync.register_backward(bw_gm, bw_inputs, grad_names, {n: p for n, p in params.values()}, names,
+                                           tp_sharded)
 
     def fw_compiler(fw_gm: fx.GraphModule, fw_inputs):
         if opts.shard == "params":
@@ -188,5 +216,11 @@ def _compile(gm, example_inputs, options, grad_sync, plan):
                              agree=f"the forward graph of stage {grad_sync.setup.stage}" if opts.check_ranks else None)
 
     from torch._inductor.decomposition import select_decomp_table
-    return aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),
-                        partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+    compiled = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),
+                            partition_fn=min_cut_rematerialization_partition)(gm, example_inputs)
+    if not swap:
+        return compiled
+
+    def with_shards(*args):  # Dynamo passes the model's (released) whole parameters
+        return compiled(*[swap.get(i, a) for i, a in enumerate(args)])
+    return with_shards

@@ -67,7 +67,8 @@ class ParallelModel:
     timeline = property(lambda self: self.driver.timeline)
 
     def _compile_with(self, module, grad_sync):
-        backend = functools.partial(gradsched_backend, grad_sync=grad_sync, plan=self.plan)
+        backend = functools.partial(gradsched_backend, grad_sync=grad_sync, plan=self.plan,
+                                    tp_shards=self.model_state.tp_shards)
         return torch.compile(module, fullgraph=self.fullgraph, backend=backend)
 
     def _shard_sequence(self, inputs, targets, positions=None, attention_mask=None):

@@ -13,6 +13,8 @@ Groups (each per TP index, except tp itself: every TP rank holds its own shard o
   dp     same stage, cp and tp index.     cp   same stage, dp and tp index.
   pp     same dp, cp and tp index, one rank per stage (activations travel here).
   tp     same stage, dp and cp index: the ranks that split each layer's matrices.
+  stage  every rank of one stage (dp x cp x tp; the grad group at tp 1): they start from one whole model,
+         before each TP rank cuts its shards.
   tie    for a set of stages holding copies of one weight: the ranks of those
          stages with this rank's dp, cp and tp index. Derived from the ties found,
          never hand-listed.
@@ -113,6 +115,9 @@ class ParallelPlan:
         yield "cp", [[self.rank_of(p, d, c, t) for c in range(C)] for p in range(P) for d in range(D) for t in range(T)]
         yield "pp", [[self.rank_of(p, d, c, t) for p in range(P)] for d in range(D) for c in range(C) for t in range(T)]
         yield "tp", [[self.rank_of(p, d, c, t) for t in range(T)] for p in range(P) for d in range(D) for c in range(C)]
+        if T > 1:  # at tp 1 a stage's ranks are its grad group
+            yield "stage", [[self.rank_of(p, d, c, t) for d in range(D) for c in range(C) for t in range(T)]
+                            for p in range(P)]
 
     def _build_groups(self) -> None:
         for kind, layouts in self._layouts():
@@ -129,6 +134,8 @@ class ParallelPlan:
         return mine
 
     def _group(self, kind: str):
+        if kind == "stage" and self.tp == 1:
+            kind = "grad"
         if not self._groups:
             raise PlanError(f"{self} has no process groups: build plans with ParallelPlan.from_world(pp=..., "
                             "cp=...), which lays them over the running processes (a one-process run too, "

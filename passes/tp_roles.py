@@ -27,10 +27,11 @@ SDPA = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attentio
 NORMS = {F.layer_norm, F.rms_norm}
 POINTWISE = {operator.add, operator.mul, operator.sub, operator.truediv, operator.neg, operator.pow,
               torch.add, torch.mul, torch.sub, torch.div, torch.neg, torch.pow, torch.rsqrt, torch.sqrt,
-              torch.exp, torch.tanh, torch.sigmoid, torch.erf, F.gelu, F.silu, F.relu, F.dropout, torch.where}
+              torch.exp, torch.tanh, torch.sigmoid, torch.erf, F.gelu, F.silu, F.relu, F.dropout, torch.where,
+              torch.detach}
 POINTWISE_METHODS = {"to", "float", "half", "bfloat16", "double", "type_as", "pow", "rsqrt", "sqrt", "neg",
                       "exp", "tanh", "sigmoid", "add", "mul", "sub", "div", "clone", "contiguous", "__mul__",
-                      "__add__", "__sub__", "__truediv__"}
+                      "__add__", "__sub__", "__truediv__", "detach"}
 VIEWS = {"view", "reshape"}
 REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "norm", "softmax", "log_softmax"}
 

@@ -1,6 +1,7 @@
 """Replicas start equal, or the job refuses: once, at setup, before any step.
 
-Each pipeline stage is held by dp x cp ranks (the plan's "grad" group), which reduce the same gradients into
+Each pipeline stage is held by dp x cp ranks (the plan's "grad" group; dp x cp x tp whole tensors, its "stage"
+group, before each TP rank cuts its shards from them), which reduce the same gradients into
 their own copies of its parameters: copies that begin apart stay apart, and the run trains silently wrong (a
 replica built from another seed, or by other code). `make_replicas_equal(module, plan)`, called by every rank of
 the plan with its stage's module, guarantees when it returns:
@@ -56,7 +57,7 @@ def named_tensors(module: nn.Module) -> list[tuple[str, str, torch.Tensor]]:
 
 def make_tensors_equal(named: list[tuple[str, str, torch.Tensor]], plan) -> None:
     """make_replicas_equal on (kind, name, tensor) triples (the backend by name sees a graph's inputs, no module)."""
-    if not dist.is_initialized() or plan.stage_replicas == 1:
+    if not dist.is_initialized() or plan.stage_replicas * plan.tp == 1:
         return
     entries = describe(named)
     world_group = plan.group or dist.group.WORLD
@@ -67,7 +68,8 @@ def make_tensors_equal(named: list[tuple[str, str, torch.Tensor]], plan) -> None
                        "collective", world_group, "all_gather", plan.world, torch.int64):
         all_gather(digests, torch.tensor([mine], dtype=torch.int64, device=device), world_group)
     found = digests.tolist()
-    firsts = {r: plan.first_replica(r) for r in range(plan.world)}
+    # the tensors are whole (TP ranks cut their shards later): a stage's every rank starts from its first's
+    firsts = {r: plan.rank_of(plan.index("pp", r), 0) for r in range(plan.world)}
     if any(found[r] != found[firsts[r]] for r in range(plan.world)):
         described = [None] * plan.world
         with JOURNAL.entry("every rank's parameters and buffers, to name the replicas that differ", "collective",
@@ -150,8 +152,8 @@ def mismatch_message(described: list, firsts: dict, found: list) -> str:
 def _broadcast(named, plan) -> None:
     """Every tensor (once, however many names it has) from the stage's first replica, in buckets of one dtype
     and device of up to BUCKET_BYTES: few collectives, and at most one bucket's extra memory at a time."""
-    group = plan.process_group("grad")
-    src = plan.global_rank(plan.group_ranks("grad")[0])
+    group = plan.process_group("stage")
+    src = plan.global_rank(plan.group_ranks("stage")[0])
     seen, by_kind = set(), {}
     for _, _, t in named:
         if id(t) in seen or t.is_meta or t.numel() == 0:
@@ -169,7 +171,7 @@ def _broadcast(named, plan) -> None:
             bucket.append(t)
             size += nbytes
         buckets.append(bucket)
-    receiving = plan.rank != plan.group_ranks("grad")[0]
+    receiving = plan.rank != plan.group_ranks("stage")[0]
     stage = plan.stage
     for i, bucket in enumerate(buckets):
         alone = len(bucket) == 1 and bucket[0].is_contiguous()

@@ -92,14 +92,14 @@ class GradSync(StageResults):
         return forward
 
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
-                          params: dict[str, torch.nn.Parameter], param_names: dict[str, str] | None = None):
+                          params: dict[str, torch.nn.Parameter], param_names=None, tp_sharded=frozenset()):
         """Build the stage's sync from this backward graph (gradsched.sync.stage_build); return the
-        callable to run as the backward. `param_names`: its forward graph's placeholder -> parameter
-        name (shard="params")."""
+        backward to run. `param_names`: forward placeholder -> parameter name (shard="params");
+        `tp_sharded`: names whose Parameters are TP shards (the rest are whole, summed over TP)."""
         if self.canonical is not None:
             return self._register_part(bw_gm, example_inputs, grad_names, params)
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
-                            self.param_shards, param_names, zero_bubble=self.cut_backward)
+                            self.param_shards, param_names, zero_bubble=self.cut_backward, tp_sharded=tp_sharded)
         self.built = built
         attach(self, params.values())
         if self.options.shard:

@@ -24,6 +24,7 @@ from torch._guards import detect_fake_mode
 from gradsched.passes.bucketing import BucketLayout
 from gradsched.passes.grad_sync import SyncRecord
 from gradsched.passes.cut_backward import CutRecord, CutSpec
+from gradsched.passes.verify_tensor_parallel import TensorParallelGradSpec
 
 from gradsched.sync import pass_pipeline
 
@@ -74,20 +75,31 @@ class BuiltStage:
     plain_halves: Halves | None = None  # under a zero-bubble schedule: the plain backward as B and W
     grad_names: dict | None = None  # backward output position -> parameter name
     order: tuple = ()  # several stages a rank: the parts in the order they finish a step (early graphs), or ()
+    tp_sharded: frozenset = frozenset()  # tp > 1: the names whose Parameters are this rank's TP shards
+    tp_proof: object = None  # tp > 1: passes/verify_tensor_parallel's proof of the backward graph
 
 
 def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                 params: dict[str, torch.nn.Parameter], setup: StageSetup, options: SyncOptions,
                 first: BuiltStage | None = None, shards: ParamShards | None = None,
-                param_names: dict | None = None, zero_bubble: bool = False) -> BuiltStage:
+                param_names: dict | None = None, zero_bubble: bool = False,
+                tp_sharded: frozenset = frozenset()) -> BuiltStage:
     """`grad_names`: backward output index -> parameter name; `first`: the stage's earlier build
     (a recompile must train the same parameters); `shards`: where the parameters live (shard="params"),
     `param_names`: this backward's forward graph's placeholder -> parameter name (the backward's saved
-    inputs keep the forward's names; they mean other parameters in another graph)."""
-    conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble)
+    inputs keep the forward's names; they mean other parameters in another graph); `tp_sharded`: under tp > 1,
+    the names whose gradients are TP shards (the others' are proved summed over TP once)."""
+    tp = len(setup.tp_group.ranks) if setup.tp_group is not None else 1
+    conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble, tp=tp)
+    specs = {"grad_ready_order": grad_names}
+    if tp > 1:
+        specs["verify_tensor_parallel"] = TensorParallelGradSpec(
+            setup.tp_group.name, {i: (n, n not in tp_sharded) for i, n in grad_names.items()})
     # under shard="params" with resharding, the backward gathers what it reads again
     bw_gm, records, param_inputs, example_inputs = run_passes("backward", bw_gm, example_inputs, setup, conditions,
-                                                              {"grad_ready_order": grad_names}, shards, param_names)
+                                                              specs, shards, param_names)
+    if tp > 1:
+        records["verify_tensor_parallel"].raise_if_unsafe()
     ready = records["grad_ready_order"]
     check_backward_graph(setup, ready, list(first.plan.ready) if first else None)
     if shards is not None:
@@ -106,9 +118,11 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
     what = f"the backward graph of stage {setup.stage} (a micro-batch before the last)"
     if pass_pipeline.applies("cut", "cut_backward", conditions):
         plain_halves = cut_graph(bw_gm, example_inputs, set(grad_names), options, what)
-        return BuiltStage(plan, params, None, graphs, param_inputs, plain_halves, dict(grad_names))
+        return BuiltStage(plan, params, None, graphs, param_inputs, plain_halves, dict(grad_names),
+                          tp_sharded=frozenset(tp_sharded), tp_proof=records.get("verify_tensor_parallel"))
     plain = compile_graph(bw_gm, example_inputs, options.compiler, agree=agreement_name(options, what))
-    return BuiltStage(plan, params, plain, graphs, param_inputs, grad_names=dict(grad_names))
+    return BuiltStage(plan, params, plain, graphs, param_inputs, grad_names=dict(grad_names),
+                      tp_sharded=frozenset(tp_sharded), tp_proof=records.get("verify_tensor_parallel"))
 
 
 def cut_graph(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: SyncOptions, what: str,

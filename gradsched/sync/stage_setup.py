@@ -31,6 +31,7 @@ class StageSetup:
     tie_groups: dict  # tie key -> Group summing this stage's copy with the other stages'
     ties: dict  # this stage's tied parameter name -> Tie
     aliases: tuple  # frozensets of names of one Parameter in the unsplit model
+    tp_group: Group | None = None  # tp > 1: the ranks splitting this stage's layers (gradsched/tp)
 
 
 def resolve_placement(placement: str, pp: int, has_ties: bool) -> str:
@@ -51,25 +52,29 @@ def group(ranks, pg, rank: int) -> Group:
     return Group(pg.group_name, tuple(ranks), list(ranks).index(rank))
 
 
-def refuse_tensor_parallel(plan: ParallelPlan) -> None:
-    """The plan lays out TP groups; no pass shards a model over them yet. Every TP rank would then train the whole
-    model on the same data and reduce it over dp x cp only: refused before any collective, on every rank alike."""
-    if plan.tp > 1:
-        raise ValueError(f"tp={plan.tp}: gradsched's plan lays out tensor-parallel groups, but no pass shards a "
-                         "model's layers over them yet. Train with tp=1 (ParallelPlan.from_world(pp=..., cp=...)), "
-                         "and spend those processes on dp, pp or cp.")
+def refuse_tensor_parallel(plan: ParallelPlan, options: SyncOptions) -> None:
+    """What tensor parallelism does not compose with yet, refused before any collective, on every rank alike."""
+    if plan.tp == 1:
+        return
+    later = [f"{k}={getattr(plan, k)}" for k in ("pp", "cp") if getattr(plan, k) > 1]
+    if options.microbatches > 1:
+        later.append(f"microbatches={options.microbatches}")
+    if later:
+        raise ValueError(f"tp={plan.tp} with {', '.join(later)}: gradsched's tensor parallelism trains whole-batch "
+                         "steps over tp x dp so far (pipeline stages, context parallelism and micro-batches under "
+                         "TP are not built yet). Train with tp x dp alone, or with tp=1.")
 
 
 def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), aliases=(),
                 stage: int | None = None) -> StageSetup:
-    refuse_tensor_parallel(plan)
+    refuse_tensor_parallel(plan, options)
     stage = plan.stage if stage is None else stage
     rank = plan.rank
     all_ties = sorted(ties, key=lambda t: t.key)
     # every rank, every tie, one order; None on a rank outside the tie (a middle stage at pp > 2)
     groups = {t.key: plan.tie_group(t.stages) for t in all_ties}
     if dist.is_initialized():  # the watchdog publishes what this rank has issued on each (gradsched.sync.stuck)
-        for pg in [plan.group or dist.group.WORLD, *(plan.process_group(k) for k in ("grad", "dp", "cp", "pp")),
+        for pg in [plan.group or dist.group.WORLD, *(plan.process_group(k) for k in ("grad", "dp", "cp", "pp", "tp")),
                    *(groups[t.key][1] for t in all_ties if groups[t.key] is not None)]:
             register_group(pg)
     mine = {t.name_on(stage): t for t in all_ties if t.name_on(stage)}
@@ -79,7 +84,8 @@ def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), 
         grad_group=group(plan.group_ranks("grad"), plan.process_group("grad"), rank),
         all_ranks=group(range(plan.world), plan.group or dist.group.WORLD, rank),
         tie_groups={t.key: group(*groups[t.key], rank) for t in mine.values()},
-        ties=mine, aliases=tuple(frozenset(a) for a in aliases))
+        ties=mine, aliases=tuple(frozenset(a) for a in aliases),
+        tp_group=group(plan.group_ranks("tp"), plan.process_group("tp"), rank) if plan.tp > 1 else None)
 
 
 def process_group(g: Group):

@@ -46,6 +46,24 @@ class LocalGraph:
     forward_graphs: list = field(default_factory=list)  # a copy of each forward graph AOTAutograd made
 
 
+def shard_graph(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, cut: Callable):
+    """The pass on `gm` (in place), and each graph input's partition and shard: returns (the pass's record,
+    {input index: Partition} of every parameter input, {input index: shard} of the TP-sharded ones, each from
+    `cut(index, whole value, partition)`)."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    record = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions(tp=spec.tp),
+                               {"shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
+    partitions, shards = {}, {}
+    for i, (ph, value) in enumerate(zip(placeholders, example_inputs)):
+        p = record.partitions.get(ph.name)
+        if p is None:
+            continue
+        partitions[i] = p
+        if p.dim is not None:
+            shards[i] = cut(i, value, p)
+    return record, partitions, shards
+
+
 def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, inner: Callable,
                   names: dict | None = None) -> LocalGraph:
     """Rewrite `gm` for this TP rank and compile it through AOTAutograd, each graph with `inner(gm,
@@ -54,17 +72,11 @@ def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, 
     verifier's messages). The backward graph is refused (TensorParallelHazard) unless proved."""
     from torch._inductor.decomposition import select_decomp_table
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    record = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions(tp=spec.tp),
-                               {"shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
-    shards, partitions, names = {}, {}, dict(names or {})
-    for i, (ph, value) in enumerate(zip(placeholders, example_inputs)):
-        p = record.partitions.get(ph.name)
-        if p is None:
-            continue
-        partitions[i] = p
-        names.setdefault(i, ph.name)
-        if p.dim is not None:
-            shards[i] = torch.nn.Parameter(local_shard(value, p, spec.tp, spec.rank), requires_grad=value.requires_grad)
+    record, partitions, shards = shard_graph(gm, example_inputs, spec, lambda i, value, p: torch.nn.Parameter(
+        local_shard(value, p, spec.tp, spec.rank), requires_grad=value.requires_grad))
+    names = dict(names or {})
+    for i in partitions:
+        names.setdefault(i, placeholders[i].name)
     local = LocalGraph(None, record, shards, partitions)
 
     def backward(bw_gm: fx.GraphModule, bw_inputs):

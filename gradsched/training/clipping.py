@@ -6,7 +6,9 @@ reduced gradient whole (shard=False). The global norm counts every gradient once
     sum over all ranks of the plan covers each stage's gradients once;
   - whole gradients: only the first rank of each gradient group counts its stage's;
   - a tied weight has a copy, holding the summed gradient, on every stage of its tie: only
-    the tie's first stage counts it.
+    the tie's first stage counts it;
+  - under tp > 1 a TP rank's shards are its own, but a parameter whole on every TP rank (a norm's
+    weight) has its summed gradient on each: only the TP group's first rank counts it.
 The norm is then scaled into the reduced gradients in place, the same factor on every rank,
 so tied copies stay equal. Call it after `train_step` (the flush included), before the
 optimizer's step.
@@ -34,6 +36,8 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
         raise ValueError(f"norm_type={norm_type}: gradsched clips by the 2-norm or the inf-norm.")
     plan, setup = sync.sync_plan, sync.setup
     counted = {n for n in sync.params if n not in setup.ties or min(setup.ties[n].stages) == setup.stage}
+    if setup.tp_group is not None and setup.tp_group.index:  # a parameter whole on every TP rank: counted on the first
+        counted &= set(sync.built.tp_sharded)
     grads = _this_steps_gradients(sync, plan, counted)
     device = next(iter(sync.params.values())).device
     if norm_type == 2.0:

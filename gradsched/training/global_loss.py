@@ -108,7 +108,10 @@ class GlobalLoss:
         flags.loss = loss  # non-finite: the optimizer's step refuses it (nonfinite.check)
         if next_scale is not None:
             self.scale = next_scale
-        return loss.float() if losses is not None else None
+        if losses is None:
+            return None
+        # float32, as torch's losses are for half-precision models; a float64 model's in float64
+        return loss.to(torch.float64 if next(iter(sync.params.values())).dtype == torch.float64 else torch.float32)
 
     def _exact(self) -> bool:
         """The weights' K is this step's global count N on every rank (a gradient group of one rank holds the

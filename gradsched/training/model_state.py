@@ -14,6 +14,7 @@ from gradsched.options import SyncOptions
 from gradsched.plan import ParallelPlan
 from gradsched.sync.owners import sync_of
 from gradsched.sync.ties import shared_parameters
+from gradsched.tp.local_shards import TensorParallelShards
 
 
 class ModelState:
@@ -30,6 +31,9 @@ class ModelState:
         self.ties = []
         self.stage_module: nn.Module | None = None  # this rank's stage(s), once built
         self.grad_sync = None  # its GradSync, once built
+        # tp > 1: this rank's shards of the TP-sharded parameters, cut by the first graph that reads each
+        self.tp_shards = (TensorParallelShards(plan.tp, plan.index("tp"), plan.process_group("tp"))
+                          if plan.tp > 1 else None)
 
     @property
     def built(self) -> bool:
@@ -52,11 +56,14 @@ class ModelState:
         return {n for t in self.ties for s, n in t.members if s not in self.local} - mine
 
     def named_parameters(self):
-        """This rank's parameters, each once, with the values it trains."""
-        if not self.built:
-            return self.model.named_parameters()
+        """This rank's parameters, each once, with the values it trains (under tp > 1 its TP shards, once cut)."""
         stale = self.stale_names()
-        return ((n, p) for n, p in self.stage_module.named_parameters() if n not in stale)
+        return ((n, self.trained(p)) for n, p in self.trained_module().named_parameters() if n not in stale)
+
+    def trained(self, p: torch.nn.Parameter) -> torch.nn.Parameter:
+        """The Parameter this rank trains for the model's `p`: its TP shard where it has one, else `p`."""
+        shard = self.tp_shards.of(p) if self.tp_shards is not None else None
+        return p if shard is None else shard
 
     def state_dict(self) -> dict:
         """The full, unsplit model's state dict, tied names included, with the trained values: the keys and order
@@ -76,16 +83,30 @@ class ModelState:
         return {k: full[k] for k in self.keys}
 
     def local_state(self) -> dict:
-        """This rank's module's state dict; under shard="params", with the parameters gathered whole (their own
-        storage is released: read, they would read memory they no longer own)."""
-        local = self.trained_module().state_dict()
+        """This rank's module's state dict, whole: under shard="params" its parameters gathered over dp x cp (their
+        own storage is released: read, they would read memory they no longer own), under tp > 1 its TP shards
+        gathered over TP (every TP rank calls it)."""
+        module = self.trained_module()
+        local = module.state_dict()
         sync = self.grad_sync
-        if sync is None or sync.param_shards is None:
+        params_sharded = sync is not None and sync.param_shards is not None
+        if not params_sharded and self.tp_shards is None:
             return local
-        full = sync.full_parameters()
-        by_id = {id(p): full[n] for n, p in sync.params.items()}
-        names = dict(self.stage_module.named_parameters(remove_duplicate=False))
-        return {k: by_id.get(id(names.get(k)), v) for k, v in local.items()}
+        full = sync.full_parameters() if params_sharded else {}
+        by_id = {id(p): full[n] for n, p in sync.params.items()} if params_sharded else {}
+        names = dict(module.named_parameters(remove_duplicate=False))
+        gathered = {}  # id(whole Parameter) -> its value gathered over TP (a tied one is gathered once)
+        out = {}
+        for k, v in local.items():
+            p = names.get(k)
+            trained = self.trained(p) if p is not None else None
+            if trained is None or trained is p:
+                out[k] = by_id.get(id(p), v)
+                continue
+            if id(p) not in gathered:
+                gathered[id(p)] = self.tp_shards.gather(p, by_id.get(id(trained), trained).detach())
+            out[k] = gathered[id(p)]
+        return out
 
 
 def state_of(model) -> ModelState | None:

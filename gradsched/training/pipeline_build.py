@@ -44,7 +44,7 @@ class Staging:
 
 def check_options(model: nn.Module, plan: ParallelPlan, options: SyncOptions, staging: Staging, fullgraph: bool) -> None:
     """Refusals that need no trace: before anything is split, compiled or sent."""
-    refuse_tensor_parallel(plan)
+    refuse_tensor_parallel(plan, options)
     if plan.pp > 1 and len(staging.split_points) != staging.num_stages - 1:
         v = staging.stages_per_rank
         raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={v}' * (v > 1)} needs {staging.num_stages - 1} split_points "

@@ -1,0 +1,128 @@
+"""Per-rank bodies of tests/test_tp_training.py: gradsched.parallelize over tp (x dp) trains the model one
+process trains, in float64. Each job's reference is the unsplit model in this process, on the global batch."""
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+import gradsched
+from gradsched.passes.tp_layouts import take_chunk
+from tied_training import abs_diff, reduced_gradients
+from tiny_gpt import GPTConfig, make_batch
+from tp_fns import SEQ, build, in_graph_loss
+
+
+@dataclass(frozen=True)
+class Job:
+    model: str = "tiny_gpt"
+    compiler: str = "eager"
+    tp: int = 2
+    dp: int = 1
+    shard: object = False
+    steps: int = 2
+    clip: float = 0.0
+    options: dict = field(default_factory=dict)
+    global_batch: int = 4
+
+
+class Logits(nn.Module):
+    """A model whose forward returns its logits (a Hugging Face model returns an output object)."""
+
+    def __init__(self, model, forward):
+        super().__init__()
+        self.model, self._forward = model, forward
+
+    def forward(self, tokens):
+        return self._forward(self.model, tokens)
+
+
+def model_of(job: Job) -> nn.Module:
+    return Logits(*build(job.model, torch.float64))
+
+
+def batch(job: Job, step: int):
+    return make_batch(job.global_batch, GPTConfig(seq=SEQ), seed=10 + step)
+
+
+def reference(job: Job) -> dict:
+    """The job in one process: losses, the first step's gradients and the parameters after the last step."""
+    model = model_of(job)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses, grads, norms = [], None, []
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        loss = in_graph_loss(model(x), y)
+        loss.backward()
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        if job.clip:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip).item())
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "grads": grads, "norms": norms, "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def rank_main(rank: int, world: int, job: Job) -> dict:
+    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp)
+    model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
+                                  shard=job.shard, **job.options)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    dp_idx, per_rank = plan.index("dp"), job.global_batch // job.dp
+    losses, grads, norms = [], None, []
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+        losses.append(float(model.train_step(x[sl], y[sl])))
+        grads = grads or reduced_gradients(model.grad_sync)
+        if job.clip:
+            norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
+        opt.step()
+        opt.zero_grad()
+    shards = model.model_state.tp_shards
+    whole = dict(model.unsplit_module().named_parameters())
+    partitions = {n: (p.dim, p.segments) for n, w in whole.items() if (p := shards.partition_of(w)) is not None}
+    built = model.grad_sync.built
+    return {"losses": losses, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
+            "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,
+            "held_bytes": sum(p.untyped_storage().nbytes() for p in model.unsplit_module().parameters()),
+            "trained_numel": sum(p.numel() for _, p in model.named_parameters())}
+
+
+def training_jobs(rank: int, world: int, jobs: list) -> list:
+    """Every job on one set of processes, each from a fresh Dynamo."""
+    out = []
+    for job in jobs:
+        torch._dynamo.reset()
+        out.append(rank_main(rank, world, job))
+    return out
+
+
+def expected_grad(ref: dict, r: dict, name: str, tp: int) -> torch.Tensor:
+    """The reference gradient of `name` as rank r holds it: its TP chunk when sharded."""
+    g = ref["grads"][name]
+    if name in r["partitions"]:
+        dim, segments = r["partitions"][name]
+        g = take_chunk(g, dim, segments, tp, r["tp_idx"])
+    return g
+
+
+def gradient_error(ref: dict, ranks: list, tp: int) -> float:
+    """Max |a rank's reduced gradient - the reference's (its TP chunk)| over every rank and parameter; inf on a
+    NaN, a missing gradient or a name the rank trains that the reference does not have."""
+    worst = 0.0
+    for r in ranks:
+        got = r["grads"]
+        if "full" in got:
+            for name, g in got["full"].items():
+                worst = max(worst, abs_diff(g, expected_grad(ref, r, name, tp)) if name in ref["grads"] else math.inf)
+            continue
+        for shard, (numel, slots) in zip(got["shards"], got["buckets"]):
+            flat = torch.full((numel,), math.nan, dtype=torch.float64)  # padding is compared to nothing
+            for name, offset, n in slots:
+                flat[offset:offset + n] = expected_grad(ref, r, name, tp).reshape(-1)
+            size = numel // got["shards_n"]
+            want = flat[got["shard_index"] * size:(got["shard_index"] + 1) * size]
+            held = ~torch.isnan(want)
+            worst = max(worst, abs_diff(shard[held], want[held]))
+    return worst
