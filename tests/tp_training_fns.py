@@ -81,7 +81,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         opt.zero_grad()
     shards = model.model_state.tp_shards
     whole = dict(model.unsplit_module().named_parameters())
-    partitions = {n: (p.dim, p.segments) for n, w in whole.items() if (p := shards.partition_of(w)) is not None}
+    partitions = {n: (p.dim, p.segments) for n, w in whole.items()
+                  if shards is not None and (p := shards.partition_of(w)) is not None}
     built = model.grad_sync.built
     return {"losses": losses, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
             "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,

@@ -8,7 +8,7 @@ What is saved, by the parameter's name in the unsplit model (a tied weight under
 name, written by the first stage of its tie):
   model/<name>             parameters and buffers, whole; a tensor several ranks hold (the
                            ranks of one stage) is written once
-  optim/<name>/master      the fp32 master weights, flattened
+  optim/<name>/master      the master weights (fp32; a float64 model's float64), flattened
   optim/<name>/<state>     the optimizer's state of that parameter (exp_avg, exp_avg_sq, ...),
                            flattened; scalar state (step) whole
   meta/step, meta/data_position, meta/optimizer (the optimizer class's name, as bytes)

@@ -22,6 +22,7 @@ from gradsched.sync.watchdog import JOURNAL, CollectiveFault, is_comm_error, pee
 from gradsched.training.checkpoint_files import CheckpointError
 from gradsched.training.materialize import first_names
 from gradsched.training.model_state import find_sync, stale_names, trained_module, unsplit_module
+from gradsched.training.optimizer import master_dtype
 from gradsched.training.shards import owned_pieces
 
 
@@ -149,7 +150,7 @@ def optimizer_entries(model, optimizer) -> dict:
             if name in skip:
                 continue
             key = f"optim/{canon.get(name, name)}"
-            out[f"{key}/master"] = p.detach().float().reshape(-1)
+            out[f"{key}/master"] = p.detach().to(master_dtype(p.dtype)).reshape(-1)
             for k, v in optimizer.optimizer.state.get(p, {}).items():
                 if isinstance(v, torch.Tensor):
                     out[f"{key}/{k}"] = v.reshape(-1) if v.dim() else v

@@ -27,7 +27,8 @@ from gradsched.training.shards import owned_pieces
 
 def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float = 1e-6) -> torch.Tensor:
     """Scale this step's reduced gradients so their global norm is at most max_norm; return the
-    norm before clipping (a float32 tensor, equal on every rank), as torch.nn.utils.clip_grad_norm_."""
+    norm before clipping (equal on every rank; float32, float64 for a float64 model), as
+    torch.nn.utils.clip_grad_norm_."""
     sync = find_sync(model)
     if sync is None or sync.sync_plan is None:
         raise RuntimeError("clip_grad_norm_ before the model's first step: run train_step (or a forward and "
@@ -55,11 +56,15 @@ def clip_grad_norm_(model, max_norm: float, norm_type: float = 2.0, eps: float =
     # so it needs no pass of its own (gradsched.sync.nonfinite)
     local = agree(sync, local, op, "clip_grad_norm_'s global norm and the step's non-finite flags",
                   grads_marker=local)
-    total = (local.sqrt() if norm_type == 2.0 else local).float()
+    total = (local.sqrt() if norm_type == 2.0 else local).to(_norm_dtype(sync.params.values()))
     coef = torch.clamp(max_norm / (total + eps), max=1.0)
     for g in sync.gradients():
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def _norm_dtype(params) -> torch.dtype:
+    return torch.float64 if all(p.dtype == torch.float64 for p in params) else torch.float32
 
 
 def _this_steps_gradients(sync, plan, counted: set) -> list[torch.Tensor]:

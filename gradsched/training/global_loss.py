@@ -124,8 +124,9 @@ class GlobalLoss:
         w = self.weights
         share = loss_weights.step_share(losses, self.plan, self.average)
         zero = torch.zeros_like(share)  # average=False: no count, no scale
-        sync.nonfinite.loss_row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else
-                                              [zero, share, zero])
+        row = torch.stack([w.counts.sum(), share, w.scale()] if w is not None else [zero, share, zero])
+        # tp > 1: every TP rank holds the same loss of the same tokens; one of them counts it (times 0 keeps a NaN)
+        sync.nonfinite.loss_row = row if self.plan.index("tp") == 0 else row * 0
 
 
 @torch.no_grad()
