@@ -54,6 +54,9 @@ class SyncOptions:
     compiler: str = "inductor"
     allow_hazard: bool = False
     check_ranks: bool = True  # exchange collective fingerprints before the first collective
+    # tp > 1, for debugging: after each optimizer step every TP-replicated parameter is bitwise equal over TP, or
+    # the step raises naming the first that is not (gradsched.tp.replica_check); an all-gather of them a step
+    check_tp_replicas: bool = False
     # seconds an eager collective may wait while every peer of its group is alive and waiting too (a collective
     # issued on some ranks only): then each stalled rank names every peer's position and exits (gradsched.sync.watchdog)
     fault_timeout_s: float = 30.0

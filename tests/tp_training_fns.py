@@ -11,6 +11,7 @@ from gradsched.passes.tp_layouts import take_chunk
 from tied_training import abs_diff, reduced_gradients
 from tiny_gpt import GPTConfig, make_batch
 from tp_fns import SEQ, build, in_graph_loss
+from gradsched.tp.replica_check import ReplicasDiverged
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class Job:
     clip: float = 0.0
     options: dict = field(default_factory=dict)
     global_batch: int = 4
+    perturb: str = ""  # a TP-replicated parameter TP rank 1 nudges before the last step (check_tp_replicas)
 
 
 class Logits(nn.Module):
@@ -77,7 +79,13 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         grads = grads or reduced_gradients(model.grad_sync)
         if job.clip:
             norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
-        opt.step()
+        if job.perturb and step == job.steps - 1 and plan.index("tp") == 1:
+            with torch.no_grad():
+                dict(model.named_parameters())[job.perturb].view(-1)[0] += 1e-9
+        try:
+            opt.step()
+        except ReplicasDiverged as e:
+            return {"diverged": str(e)}
         opt.zero_grad()
     shards = model.model_state.tp_shards
     whole = dict(model.unsplit_module().named_parameters())
@@ -87,6 +95,11 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     return {"losses": losses, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
             "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,
             "held_bytes": sum(p.untyped_storage().nbytes() for p in model.unsplit_module().parameters()),
+            # what a rank would hold of whole parameters: the replicated ones, by shape (none under "params")
+            "replicated_bytes": 0 if job.shard == "params" else sum(
+                w.numel() * w.element_size() for n, w in whole.items() if partitions.get(n, (None,))[0] is None),
+            "whole_numel": sum(w.numel() for w in whole.values()),
+            "names": [n for n, _ in model.named_parameters()],
             "trained_numel": sum(p.numel() for _, p in model.named_parameters())}
 
 

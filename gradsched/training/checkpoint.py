@@ -68,8 +68,19 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
     """Save the model, the optimizer and the position of the run; every rank calls it. Returns the
     checkpoint's directory. Atomic: until every rank has written and the manifest (each file's size
     and crc32) is in place, `latest` names the previous one."""
+    _refuse_tensor_parallel(model, "save")
     with _peers_named("saving", path):
         return _save(path, model, optimizer, step=step, data_position=data_position)
+
+
+def _refuse_tensor_parallel(model, what: str) -> None:
+    """Checkpoints key whole parameters; a TP rank's are shards of them, which this module does not lay out yet:
+    refused on every rank alike, before any collective."""
+    plan = getattr(model, "plan", None)
+    if plan is not None and plan.tp > 1:
+        raise CheckpointError(f"checkpoint {what} at tp={plan.tp}: gradsched's checkpoints do not hold tensor-parallel "
+                              "shards yet (issue 61). Save from a run at tp=1, or keep the run going; "
+                              "model.state_dict() gives every parameter whole on each rank meanwhile.")
 
 
 def _save(path: str, model, optimizer=None, *, step: int, data_position: int | None = None) -> str:
@@ -161,6 +172,7 @@ def load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
     the checkpoint against the model and optimizer: a damaged or unfitting checkpoint is a
     CheckpointError on every rank, with the model and optimizer untouched. verify=False skips the
     checksums (a checkpoint written before them: no manifest); the other checks stay."""
+    _refuse_tensor_parallel(model, "load")
     with _peers_named("loading", path):
         return _load(path, model, optimizer, verify=verify)
 

@@ -24,6 +24,7 @@ from gradsched.sync.param_shards import all_gather
 from gradsched.training.model_state import find_sync, options_of, unsplit_module
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
+from gradsched.tp.replica_check import check_tp_replicas
 
 # Their update of an element reads only that element's gradient, state and value: stepping a
 # rank's pieces equals stepping the whole tensors. (Adafactor, LBFGS, SparseAdam, Muon and the
@@ -63,6 +64,7 @@ class DistributedOptimizer:
         self.masters: list[torch.nn.Parameter] = []  # their fp32 master copies, in the same order
         self.restore_from = None  # restore_from(optimizer, sync): gradsched.load sets it, the build calls it
         self.skipped_steps = 0  # steps not applied: their gradients went non-finite (on_nonfinite="skip")
+        self.applied_steps = 0
         # per bucket, what the parameter all-gather reads and writes (or, one shard a bucket, the parameters'
         # pieces written directly), made at the first step after each build
         self._gathers = None
@@ -139,8 +141,7 @@ class DistributedOptimizer:
                 g["lr"] = g.setdefault("base_lr", g["lr"]) * lr_scale
         if not plan.shard:
             self.optimizer.step()
-            sync.clear_results()
-            return True
+            return self._applied(sync)
         for pc, master in zip(self.pieces, self.masters):
             master.grad = reduced[pc.bucket][pc.at:pc.at + pc.numel].to(master.dtype)
         self.optimizer.step()
@@ -150,7 +151,13 @@ class DistributedOptimizer:
                     sync.param_shards.write(pc.bucket, pc.at, master.detach())
         else:
             self._gather(sync)
+        return self._applied(sync)
+
+    def _applied(self, sync) -> bool:
         sync.clear_results()
+        self.applied_steps += 1
+        if sync.options.check_tp_replicas:
+            check_tp_replicas(sync, self.applied_steps)
         return True
 
     def _gather(self, sync) -> None:

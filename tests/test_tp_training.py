@@ -1,0 +1,99 @@
+"""gradsched.parallelize over tp (x dp) trains the model one float64 process trains.
+
+Each job builds the unmodified model (our tiny GPT, Hugging Face Llama with GQA, Qwen2, GPT-2), parallelizes it
+with a plan of tp ranks (times dp), and trains two AdamW steps: its losses, its step-1 reduced gradients (a TP
+shard's against the same chunk of the whole gradient, a bucket shard's against its elements), its clipping norms
+and its parameters after the steps are compared with the unsplit model in one float64 process on the global
+batch. Every job runs on one set of 4 processes.
+"""
+import math
+
+import pytest
+
+from gradsched.launch import run_ranks
+from tied_training import abs_diff
+from tp_training_fns import Job, gradient_error, reference, training_jobs
+
+EXACT = 1e-12
+JOBS = {
+    "tiny_gpt-tp2xdp2-all_reduce-clipped": Job(tp=2, dp=2, shard=False, clip=0.5),
+    "tiny_gpt-tp2xdp2-shard-inductor": Job(tp=2, dp=2, shard=True, compiler="inductor"),
+    "tiny_gpt-tp2xdp2-params-clipped": Job(tp=2, dp=2, shard="params", clip=0.5),
+    "tiny_gpt-tp4-inductor-clipped": Job(tp=4, compiler="inductor", clip=0.5),
+    "hf_llama-tp4-gqa": Job(model="hf_llama", tp=4),
+    "hf_gpt2-tp2xdp2-shard": Job(model="hf_gpt2", tp=2, dp=2, shard=True),
+    "hf_qwen2-tp2xdp2-params": Job(model="hf_qwen2", tp=2, dp=2, shard="params"),
+    "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
+    "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},
+                                           perturb="model.ln_f.weight"),
+}
+TRAINED = [k for k, j in JOBS.items() if not j.perturb]
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    out = run_ranks(training_jobs, 4, list(JOBS.values()), timeout_s=1500)
+    return {name: [r[i] for r in out] for i, name in enumerate(JOBS)}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {name: reference(JOBS[name]) for name in TRAINED}
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_losses_and_step1_gradients_equal_one_float64_process(ranks, references, name):
+    ref, job = references[name], JOBS[name]
+    for r in ranks[name]:
+        assert len(r["losses"]) == job.steps
+        for got, want in zip(r["losses"], ref["losses"]):
+            assert abs_diff(got, want) < EXACT, (name, r["losses"], ref["losses"])
+    assert gradient_error(ref, ranks[name], job.tp) < EXACT
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_parameters_after_the_steps_equal_one_float64_process(ranks, references, name):
+    """Every rank's whole parameters (TP shards gathered) after two AdamW steps; float64 masters in every shard
+    mode, so no fp32 rounding."""
+    ref = references[name]
+    for r in ranks[name]:
+        assert set(r["state"]) == set(ref["state"])
+        worst = max(abs_diff(r["state"][k], v) for k, v in ref["state"].items())
+        assert worst < EXACT, (name, worst)
+
+
+@pytest.mark.parametrize("name", [k for k in TRAINED if JOBS[k].clip])
+def test_clipping_counts_each_tp_shard_and_each_replicated_parameter_once(ranks, references, name):
+    ref = references[name]["norms"]
+    for r in ranks[name]:
+        assert len(r["norms"]) == len(ref)
+        assert all(abs_diff(a, b) < EXACT for a, b in zip(r["norms"], ref)), (r["norms"], ref)
+
+
+@pytest.mark.parametrize("name", TRAINED)
+def test_no_rank_holds_a_tp_sharded_matrix_whole(ranks, name):
+    for r in ranks[name]:
+        assert r["partitions"], "no parameter was sharded over TP"
+        assert r["held_bytes"] == r["replicated_bytes"], r["held_bytes"]
+        sharded = sum(1 for dim, _ in r["partitions"].values() if dim is not None)
+        assert sharded and r["trained_numel"] < r["whole_numel"], (r["trained_numel"], r["whole_numel"])
+        assert sorted(n for n, _ in r["proved"]) == sorted(r["names"]), "not every gradient's TP reduction proved"
+
+
+def test_the_tp_ranks_shard_the_same_parameters_along_the_same_dims(ranks):
+    for name in TRAINED:
+        first = ranks[name][0]["partitions"]
+        assert all(r["partitions"] == first for r in ranks[name]), name
+
+
+def test_check_tp_replicas_names_a_replicated_parameter_one_tp_rank_changed(ranks):
+    """Rank (tp 1) nudged model.ln_f.weight before the last step: every rank of both TP groups stops at the
+    step, naming it (each group gathered the same bytes, so no rank goes on alone)."""
+    for r in ranks["tiny_gpt-tp2xdp2-replica_nudged"]:
+        assert "diverged" in r, r.keys()
+        assert "'model.ln_f.weight'" in r["diverged"] and "after step 2" in r["diverged"], r["diverged"]
+
+
+def test_check_tp_replicas_passes_a_run_whose_replicas_are_equal(ranks):
+    assert all("diverged" not in r for r in ranks["tiny_gpt-tp2xdp2-replicas_checked"])
+    assert all(math.isfinite(x) for r in ranks["tiny_gpt-tp2xdp2-replicas_checked"] for x in r["losses"])
