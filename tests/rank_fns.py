@@ -598,11 +598,14 @@ def meta_model_without_init(rank, world):
 
 
 def tensor_parallel_plan(rank, world):
-    """A tp=2 plan over 2 ranks: its groups, then parallelize and the backend by name, each refused by name."""
+    """A tp=2 plan over 2 ranks: its groups; parallelize builds over it, refuses micro-batches under TP, and the
+    backend by name refuses it, each by name."""
     plan = gradsched.ParallelPlan.from_world(tp=2)
     out = {"describe": plan.describe(), "tp": plan.group_ranks("tp"), "grad": plan.group_ranks("grad")}
     model = TinyGPT(GPTConfig())
-    for name, build in (("parallelize", lambda: gradsched.parallelize(model, plan=plan, loss_fn=lm_loss)),
+    out["builds"] = type(gradsched.parallelize(TinyGPT(GPTConfig()), plan=plan, loss_fn=lm_loss)).__name__
+    for name, build in (("microbatches", lambda: gradsched.parallelize(model, plan=plan, loss_fn=lm_loss,
+                                                                        microbatches=2)),
                         ("backend", lambda: torch.compile(model, backend="gradsched", options={"plan": plan})(
                             make_batch(2, GPTConfig())[0]))):
         try:

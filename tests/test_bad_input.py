@@ -210,11 +210,13 @@ def test_the_old_placement_name_split_still_works_with_a_warning_naming_its_new_
     assert opts.placement == "tied_at_flush"
 
 
-def test_a_tensor_parallel_plan_lays_out_its_groups_and_training_over_it_is_refused_by_name():
-    # no pass shards a model over tp yet: every TP rank would train the whole model, reduced over dp x cp only
+def test_a_tensor_parallel_plan_lays_out_its_groups_and_what_tp_does_not_compose_with_yet_is_refused_by_name():
     r0, r1 = run_ranks(tensor_parallel_plan, 2)
     assert r0["describe"] == "rank 0/2 (pp=0/1, dp=0/1, cp=0/1, tp=0/2)" and r1["tp"] == (0, 1)
     assert r0["grad"] == (0,) and r1["grad"] == (1,)  # each TP index reduces its own shard's gradients
     for r in (r0, r1):
-        for how in ("parallelize", "backend"):
-            assert r[how] is not None and "tp=2" in r[how] and "Train with tp=1" in r[how], (how, r[how])
+        assert r["builds"] == "ParallelModel"  # tp x dp whole-batch steps train (tests/test_tp_training.py)
+        assert r["microbatches"] is not None and "tp=2 with microbatches=2" in r["microbatches"], r["microbatches"]
+        assert "Train with tp x dp alone, or with tp=1" in r["microbatches"]
+        assert r["backend"] is not None and "tp=2" in r["backend"] and "gradsched.parallelize" in r["backend"], \
+            r["backend"]
