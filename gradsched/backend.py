@@ -51,6 +51,16 @@ def _local_sequence_length(example_inputs) -> int | None:
     return None
 
 
+def _received_sequence_length(example_inputs) -> int | None:
+    """A later pipeline stage's S: dimension 1 of its received activation ([B, S, ...] floating, needing a
+    gradient), where the stage has no token input."""
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.dim() >= 3 and x.is_floating_point() and x.requires_grad \
+                and not isinstance(x, torch.nn.Parameter):
+            return int(x.shape[1])
+    return None
+
+
 def lower_attention(gm: fx.GraphModule, example_inputs, plan, opts):
     """Context parallelism: attention becomes ring steps over the plan's CP group (the pass pipeline's
     entries for Dynamo's graph); anything left mixing tokens on a rank's slice is refused."""
@@ -147,7 +157,7 @@ def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dic
     """tp > 1: Dynamo's graph split for this TP rank (passes/tensor_parallel.py), in place. Returns {input index:
     this rank's shard} of the TP-sharded parameter inputs, cut once a model (gradsched.tp.local_shards)."""
     from gradsched.tp.local_graph import shard_graph, tensor_parallel_spec
-    spec = tensor_parallel_spec(plan, _local_sequence_length(example_inputs))
+    spec = tensor_parallel_spec(plan, _local_sequence_length(example_inputs) or _received_sequence_length(example_inputs))
     name = lambda i: params[i][0] if i in params else f"graph input {i}"  # noqa: E731
     return shard_graph(gm, example_inputs, spec, lambda i, whole, p: tp_shards.shard(whole, p, name(i)))[2]
 

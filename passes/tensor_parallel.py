@@ -72,6 +72,8 @@ class TensorParallelSpec:
     gather_output: Callable  # (x, dim, group, tp, rank) -> all-gather; backward this rank's chunk
     cross_entropy: Callable | None = None  # (logits, target, lo, vocab, group, ignore_index, reduction,
     #   label_smoothing): F.cross_entropy from this rank's vocabulary columns (None: the logits are gathered)
+    scatter_input: Callable | None = None  # (x, dim, group, tp, rank) -> this rank's sequence chunk of a whole
+    #   input; backward all-gather (a pipeline stage's received activation; None: such an input is refused)
 
 
 @dataclass
@@ -210,6 +212,8 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         for node in list(self.graph.nodes):
             if node.op == "placeholder":
                 self.lay[node] = self.outer._l(self.operand_of[node]) if self.outer else FULL
+                if self.outer is None:
+                    self._boundary_input(node)
             elif node.op == "output":
                 self._output(node)
             elif node.op in ("call_function", "call_method"):
@@ -219,6 +223,28 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         self._check_gathers_feed_split_work()
         if self.outer is None:
             propagate_local_values(self.gm, self.whole, self.record.partitions, self.spec.tp, self.spec.rank)
+
+    def _boundary_input(self, ph: fx.Node) -> None:
+        """A non-parameter floating input that needs a gradient is a pipeline stage's received activation, whole
+        on every TP rank: each rank takes its sequence chunk (spec.scatter_input), whose backward all-gathers
+        the gradient sent back, so it is whole and equal on every TP rank, as the sender's gather_output
+        expects."""
+        v = self.whole[ph]
+        if is_param(ph) or not isinstance(v, torch.Tensor) or not v.is_floating_point() or not v.requires_grad:
+            return
+        dim = next((d for d in range(v.dim() - 1) if v.shape[d] == self.spec.seq_len), None)
+        if dim is None or self.spec.scatter_input is None:
+            raise TensorParallelError(
+                f"input {ph.name} {tuple(v.shape)} needs a gradient (a pipeline stage's received activation) but "
+                + (f"has no sequence dimension of {self.spec.seq_len} tokens before its last to split over tp."
+                   if dim is None else "this runtime gives no scatter_input for it."))
+        with self.graph.inserting_before(self.body):
+            s = self.graph.call_function(self.spec.scatter_input, (ph, dim, self.spec.group, self.spec.tp,
+                                                                   self.spec.rank))
+        ph.replace_all_uses_with(s, delete_user_cb=lambda u: u is not s)
+        self.record.collectives.append(("scatter_input", ph.name))
+        self.whole[s] = v
+        self.lay[s] = Seq(dim)
 
     def _check_gathers_feed_split_work(self) -> None:
         """A sequence all-gather's backward sums every rank's gradient of the gathered value: right when each

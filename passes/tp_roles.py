@@ -4,7 +4,8 @@ Invariant: none; these functions only read the graph. `find_roles` names each li
 node's role for passes/tensor_parallel.py: "column" (an attention call's q/k/v projections, an MLP's
 first linears), "row" (the projection after attention or an MLP), "head" (a linear left over whose
 output is a graph output or the cross-entropy's logits), "vocab" (the embedding over the head's
-vocabulary, the head's own weight when tied) and "replicated" (a key/value projection with fewer
+vocabulary, the head's own weight when tied; in a graph with no head, a pipeline's first stage, the
+embedding of a token input) and "replicated" (a key/value projection with fewer
 heads than tp: each rank then takes the heads its queries read). Any other linear is replicated.
 
 Assumes a Dynamo (torch-level) graph: linears as F.linear or torch.addmm(bias, x, weight) with a
@@ -170,6 +171,11 @@ def find_roles(graph: fx.Graph, params: dict, tp: int, heads: bool = True) -> di
         for emb in tied or [e for e in embeddings if e.args[0].op == "placeholder" and
                             fake_value(e.args[1]).shape[0] == vocab]:
             roles[emb] = "vocab"
+    if not heads:  # a pipeline's first stage: its embedding of the token input is vocab-parallel all the same,
+        # so that a tie with the last stage's column-parallel head pairs the same vocabulary rows on each TP rank
+        for emb in embeddings:
+            if emb.args[0].op == "placeholder" and fake_value(emb.args[1]).shape[0] % tp == 0:
+                roles[emb] = "vocab"
     return roles
 
 

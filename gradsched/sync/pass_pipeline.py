@@ -27,6 +27,7 @@ from gradsched.passes.defer_waits import defer_waits
 from gradsched.passes.grad_sync import return_shards_only
 from gradsched.passes.param_gather import gather_params
 from gradsched.passes.tensor_parallel import shard_for_tensor_parallel
+from gradsched.passes.tp_torch_level import torch_level
 from gradsched.passes.unlowered_attention import unlowered_attention
 from gradsched.passes.verify_tensor_parallel import verify_tensor_parallel
 from gradsched.passes.agreement import insert_agreement
@@ -80,6 +81,7 @@ def _always(_: Conditions) -> bool:
 
 
 PIPELINE: tuple[Pass, ...] = (
+    Pass("torch_level", "dynamo", "tp > 1", lambda c: c.tp > 1, torch_level),
     Pass("shard_for_tensor_parallel", "dynamo", "tp > 1", lambda c: c.tp > 1, shard_for_tensor_parallel),
     Pass("lower_attention_to_ring", "dynamo", "cp > 1", lambda c: c.cp > 1, lower_attention_to_ring),
     Pass("unlowered_attention", "dynamo", "cp > 1", lambda c: c.cp > 1, unlowered_attention, rewrites=False),

@@ -56,9 +56,7 @@ def refuse_tensor_parallel(plan: ParallelPlan, options: SyncOptions) -> None:
     """What tensor parallelism does not compose with yet, refused before any collective, on every rank alike."""
     if plan.tp == 1:
         return
-    later = [f"{k}={getattr(plan, k)}" for k in ("pp", "cp") if getattr(plan, k) > 1]
-    if options.microbatches > 1:
-        later.append(f"microbatches={options.microbatches}")
+    later = [f"{k}={getattr(plan, k)}" for k in ("cp",) if getattr(plan, k) > 1]
     if later:
         raise ValueError(f"tp={plan.tp} with {', '.join(later)}: gradsched's tensor parallelism trains whole-batch "
                          "steps over tp x dp so far (pipeline stages, context parallelism and micro-batches under "

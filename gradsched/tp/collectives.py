@@ -11,6 +11,9 @@ tracing), so AOTAutograd traces its backward into the backward graph:
                     this rank's share of the work, so its gradient is the sum of every rank's
   gather_output     forward all-gather along `dim`;    backward this rank's chunk only (every rank
                     computes the same loss from the gathered value: summing would count it tp times)
+  scatter_input     forward this rank's chunk along `dim` of a value every TP rank holds whole (a
+                    pipeline stage's received activation); backward all-gather, so the gradient sent
+                    back is whole and equal on every TP rank, as gather_output's backward expects
 """
 from __future__ import annotations
 
@@ -82,6 +85,18 @@ class _GatherOutput(torch.autograd.Function):
         return g.narrow(dim, rank * n, n).contiguous(), None, None, None, None
 
 
+class _ScatterInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group, size, rank):
+        ctx.args = dim, group, size
+        n = x.shape[dim] // size
+        return x.narrow(dim, rank * n, n).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather(g, *ctx.args), None, None, None, None
+
+
 def gather_sequence(x, dim: int, group: str, size: int):
     return _GatherSequence.apply(x, dim, group, size)
 
@@ -96,3 +111,7 @@ def grad_sum(w, group: str):
 
 def gather_output(x, dim: int, group: str, size: int, rank: int):
     return _GatherOutput.apply(x, dim, group, size, rank)
+
+
+def scatter_input(x, dim: int, group: str, size: int, rank: int):
+    return _ScatterInput.apply(x, dim, group, size, rank)

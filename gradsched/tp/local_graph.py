@@ -32,7 +32,8 @@ def tensor_parallel_spec(plan, seq_len: int, loss_parallel: bool = True) -> Tens
     cross-entropy for a loss in the graph, unless loss_parallel=False: then the logits are gathered)."""
     return TensorParallelSpec(plan.tp, plan.index("tp"), plan.process_group("tp").group_name, seq_len,
                               collectives.gather_sequence, collectives.scatter_sequence, collectives.grad_sum,
-                              collectives.gather_output, vocab_parallel_cross_entropy if loss_parallel else None)
+                              collectives.gather_output, vocab_parallel_cross_entropy if loss_parallel else None,
+                              collectives.scatter_input)
 
 
 @dataclass
@@ -52,7 +53,7 @@ def shard_graph(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, cu
     `cut(index, whole value, partition)`)."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     record = pass_pipeline.run("dynamo", gm, pass_pipeline.Conditions(tp=spec.tp),
-                               {"shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
+                               {"torch_level": None, "shard_for_tensor_parallel": spec})["shard_for_tensor_parallel"]
     partitions, shards = {}, {}
     for i, (ph, value) in enumerate(zip(placeholders, example_inputs)):
         p = record.partitions.get(ph.name)
