@@ -25,7 +25,8 @@ The body of a higher-order op that runs it inline (activation checkpointing, wra
 way, with its operands' layouts; its collectives are recomputed with it in the backward.
 
 Where each op goes: passes/tp_roles.py finds the roles, passes/tp_shape_ops.py, tp_heads.py and
-tp_vocab.py rewrite shape and pointwise ops, attention, and the embedding and loss; this module
+tp_vocab.py rewrite shape and pointwise ops, attention, and the embedding and loss, tp_checks.py
+refuses what one rank's part cannot compute as one process does; this module
 walks the graph, places the parameters and inserts the collectives.
 
 Parameter placeholders then stand for this rank's shard (`record.partitions`, by placeholder name;
@@ -59,6 +60,7 @@ from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, SDPA, VIEWS, find_roles, is
 from .tp_heads import Heads
 from .tp_shape_ops import ShapeOps, propagate_local_values
 from .tp_vocab import Vocab
+from .tp_checks import Checks
 
 @dataclass(frozen=True)
 class TensorParallelSpec:
@@ -99,7 +101,7 @@ def shard_for_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec):
 
 # ---- the rewrite ------------------------------------------------------------------------------------
 
-class _Rewriter(ShapeOps, Heads, Vocab):
+class _Rewriter(ShapeOps, Heads, Vocab, Checks):
     def __init__(self, gm, spec: TensorParallelSpec, roles: dict, params: dict, outer=None, operands=()):
         self.gm, self.graph, self.spec, self.roles = gm, gm.graph, spec, roles
         self.params = params
@@ -246,27 +248,6 @@ class _Rewriter(ShapeOps, Heads, Vocab):
         self.whole[s] = v
         self.lay[s] = Seq(dim)
 
-    def _check_gathers_feed_split_work(self) -> None:
-        """A sequence all-gather's backward sums every rank's gradient of the gathered value: right when each
-        rank does its own part of the work with it (its columns, its heads), wrong when every rank computes
-        the same result from it, which then reaches an output or the loss whole on every rank."""
-        for g in self.gathered.values():
-            todo, seen = [g], set()
-            while todo:
-                n = todo.pop()
-                if n in seen:
-                    continue
-                seen.add(n)
-                for u in n.users:
-                    if (u.op == "output" and self.outer is None) or (self._l(u) == FULL and
-                                                                     is_op(u, (F.cross_entropy,))):
-                        raise TensorParallelError(
-                            f"{u.name if u.op != 'output' else 'a graph output'} is computed whole on every rank from "
-                            f"the tokens all-gathered at {where(n)}: its gradient would be summed tp times. Give the "
-                            "head a linear the pass can split over the vocabulary, or train with tp=1.")
-                    if self._l(u) == FULL and u.op != "output":
-                        todo.append(u)
-
     def _l(self, a) -> Layout:
         return self.lay.get(a, FULL) if isinstance(a, fx.Node) else FULL
 
@@ -332,20 +313,6 @@ class _Rewriter(ShapeOps, Heads, Vocab):
                                   "or express the layer with linear, SDPA and pointwise ops.")
 
     # ops --------------------------------------------------------------------------------------------
-    def _refuse_dropout(self, node) -> None:
-        """Dropout draws the same random numbers on every TP rank (no per-rank generator yet): on a rank's
-        tokens or heads that is not one process's dropout."""
-        p = None
-        if is_op(node, (F.dropout,)):
-            p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
-            if not node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True):
-                p = 0
-        elif is_op(node, SDPA):
-            p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
-        if p and any(self._l(a).split for a in node.all_input_nodes):
-            raise TensorParallelError(f"the dropout at {where(node)} (p={p}) would draw the same random numbers on "
-                                      "every TP rank's tokens or heads: train with dropout 0 under tp > 1.")
-
     def _linear(self, node, role) -> None:
         x, w, b, out_dim = linear_parts(node)
         lx = self._l(x)

@@ -210,13 +210,18 @@ def test_the_old_placement_name_split_still_works_with_a_warning_naming_its_new_
     assert opts.placement == "tied_at_flush"
 
 
-def test_a_tensor_parallel_plan_lays_out_its_groups_and_what_tp_does_not_compose_with_yet_is_refused_by_name():
+def test_a_tensor_parallel_plan_lays_out_its_groups_and_the_backend_by_name_refuses_it_by_name():
     r0, r1 = run_ranks(tensor_parallel_plan, 2)
     assert r0["describe"] == "rank 0/2 (pp=0/1, dp=0/1, cp=0/1, tp=0/2)" and r1["tp"] == (0, 1)
     assert r0["grad"] == (0,) and r1["grad"] == (1,)  # each TP index reduces its own shard's gradients
     for r in (r0, r1):
-        assert r["builds"] == "ParallelModel"  # tp x dp whole-batch steps train (tests/test_tp_training.py)
-        assert r["microbatches"] is not None and "tp=2 with microbatches=2" in r["microbatches"], r["microbatches"]
-        assert "Train with tp x dp alone, or with tp=1" in r["microbatches"]
+        assert r["builds"] == "ParallelModel"  # tp x dp (x pp) steps train (tests/test_tp_training.py)
         assert r["backend"] is not None and "tp=2" in r["backend"] and "gradsched.parallelize" in r["backend"], \
             r["backend"]
+
+
+def test_tensor_parallelism_with_context_parallelism_is_refused_by_name_before_any_collective():
+    from gradsched.sync.stage_setup import refuse_tensor_parallel
+    with pytest.raises(ValueError, match=r"tp=2 with cp=2: .*Train with tp x dp x pp, or with cp=1"):
+        refuse_tensor_parallel(gradsched.ParallelPlan(tp=2, cp=2), SyncOptions())
+    refuse_tensor_parallel(gradsched.ParallelPlan(tp=2, pp=2), SyncOptions())  # pipelines under TP train

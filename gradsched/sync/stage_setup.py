@@ -58,9 +58,9 @@ def refuse_tensor_parallel(plan: ParallelPlan, options: SyncOptions) -> None:
         return
     later = [f"{k}={getattr(plan, k)}" for k in ("cp",) if getattr(plan, k) > 1]
     if later:
-        raise ValueError(f"tp={plan.tp} with {', '.join(later)}: gradsched's tensor parallelism trains whole-batch "
-                         "steps over tp x dp so far (pipeline stages, context parallelism and micro-batches under "
-                         "TP are not built yet). Train with tp x dp alone, or with tp=1.")
+        raise ValueError(f"tp={plan.tp} with {', '.join(later)}: gradsched's tensor parallelism trains "
+                         "over tp x dp x pp so far (context parallelism under TP is not built yet). "
+                         "Train with tp x dp x pp, or with cp=1.")
 
 
 def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), aliases=(),
