@@ -4,7 +4,10 @@ A pipeline stage is a GraphModule that torch.distributed.pipelining's export tra
 calls `aten.linear.default`, `aten.embedding.default`, `aten.view.default` and so on, where Dynamo's graph of
 the unsplit model calls `F.linear`, `F.embedding`, `x.view`. This pass rewrites each aten call it knows into
 the same computation spelled as the torch-level call (argument order and defaults mapped), so the roles
-(passes/tp_roles.py) and the rewrite (passes/tensor_parallel.py) see one vocabulary.
+(passes/tp_roles.py) and the rewrite (passes/tensor_parallel.py) see one vocabulary. Export's metadata
+assertions (`aten._assert_tensor_metadata`, written for a `.to(dtype)`) have no torch-level spelling and no
+users: they are dropped, as Dynamo's graph never holds them (and a shard's sizes are not the traced ones);
+`aten.alias` (a view of the whole tensor, which export writes where a stage returns its input) is its input.
 
 Invariant: every rewritten node computes what it computed (same op, same arguments, its meta kept, so its
 `example_value` stays right); a call it does not know is left as it is, and the tensor-parallel pass refuses
@@ -76,6 +79,15 @@ def _dims_method(name):
     return spell
 
 
+def _slice(args, kwargs):
+    dim, start = _arg(args, kwargs, 1, "dim", 0), _arg(args, kwargs, 2, "start", None)
+    end, step = _arg(args, kwargs, 3, "end", None), _arg(args, kwargs, 4, "step", 1)
+    if not isinstance(dim, int) or dim < 0:  # a negative dim would need the rank: x[..., a:b] from the right
+        return None
+    # x[:, :, a:b] as Dynamo spells it: operator.getitem with a tuple of slices
+    return "call_function", operator.getitem, (args[0], (slice(None),) * dim + (slice(start, end, step),)), {}
+
+
 def _to_copy(args, kwargs):
     if set(kwargs) - {"dtype", "layout", "device"} or len(args) > 1:
         return None
@@ -118,7 +130,9 @@ SPELLINGS = {
     aten.sum.dim_IntList: _dims_method("sum"),
     aten.softmax.int: lambda a, k: ("call_function", torch.softmax, (a[0], a[1]), {}) if len(a) < 3 and not k
     else None,
+    aten.slice.Tensor: _slice,
     aten._to_copy.default: _to_copy,
+    aten.to.dtype: lambda a, k: ("call_method", "to", (a[0], a[1]), {}) if len(a) == 2 and not k else None,
     aten.clone.default: lambda a, k: ("call_method", "clone", (a[0],), {}) if not k else None,
 }
 
@@ -126,7 +140,16 @@ SPELLINGS = {
 def torch_level(gm: fx.GraphModule, spec=None):
     """The pass (see the module docstring): (gm rewritten in place, how many calls were respelled)."""
     count = 0
-    for n in gm.graph.nodes:
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default and not n.users:
+            gm.graph.erase_node(n)
+            count += 1
+            continue
+        if n.op == "call_function" and n.target is aten.alias.default:
+            n.replace_all_uses_with(n.args[0])
+            gm.graph.erase_node(n)
+            count += 1
+            continue
         spell = SPELLINGS.get(n.target) if n.op == "call_function" else None
         new = spell(list(n.args), dict(n.kwargs)) if spell else None
         if new is None:

@@ -20,6 +20,10 @@ class Job:
     compiler: str = "eager"
     tp: int = 2
     dp: int = 1
+    pp: int = 1
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    split: tuple = ()  # the pipeline's split points (module names), under pp > 1
     shard: object = False
     steps: int = 2
     clip: float = 0.0
@@ -56,7 +60,8 @@ def reference(job: Job) -> dict:
         x, y = batch(job, step)
         loss = in_graph_loss(model(x), y)
         loss.backward()
-        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters()}
+        # every name a parameter has: a stage's copy of a tie is compared with the one Parameter's gradient
+        grads = grads or {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
         if job.clip:
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), job.clip).item())
         opt.step()
@@ -66,16 +71,18 @@ def reference(job: Job) -> dict:
 
 
 def rank_main(rank: int, world: int, job: Job) -> dict:
-    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp)
+    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp)
+    pipeline = dict(split_points=job.split, schedule=job.schedule, microbatches=job.microbatches) if job.pp > 1 else {}
     model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
-                                  shard=job.shard, **job.options)
+                                  shard=job.shard, **pipeline, **job.options)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     dp_idx, per_rank = plan.index("dp"), job.global_batch // job.dp
     losses, grads, norms = [], None, []
     for step in range(job.steps):
         x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
-        losses.append(float(model.train_step(x[sl], y[sl])))
+        loss = model.train_step(x[sl], y[sl])
+        losses.append(None if loss is None else float(loss))  # None on a stage before the last
         grads = grads or reduced_gradients(model.grad_sync)
         if job.clip:
             norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
@@ -88,13 +95,14 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
             return {"diverged": str(e)}
         opt.zero_grad()
     shards = model.model_state.tp_shards
-    whole = dict(model.unsplit_module().named_parameters())
+    # the module whose parameters the rank trains: the model, or under pp > 1 its stage
+    whole = dict(model.model_state.trained_module().named_parameters())
     partitions = {n: (p.dim, p.segments) for n, w in whole.items()
                   if shards is not None and (p := shards.partition_of(w)) is not None}
     built = model.grad_sync.built
-    return {"losses": losses, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
+    return {"losses": losses, "stage": plan.stage, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
             "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,
-            "held_bytes": sum(p.untyped_storage().nbytes() for p in model.unsplit_module().parameters()),
+            "held_bytes": sum(p.untyped_storage().nbytes() for p in whole.values()),
             # what a rank would hold of whole parameters: the replicated ones, by shape (none under "params")
             "replicated_bytes": 0 if job.shard == "params" else sum(
                 w.numel() * w.element_size() for n, w in whole.items() if partitions.get(n, (None,))[0] is None),
