@@ -1,7 +1,7 @@
 """gradsched.parallelize over tp (x dp) trains the model one float64 process trains.
 
 Each job builds the unmodified model (our tiny GPT, Hugging Face Llama with GQA, Qwen2, GPT-2), parallelizes it
-with a plan of tp ranks (times dp), and trains two AdamW steps: its losses, its step-1 reduced gradients (a TP
+with a plan of tp ranks (times dp, or times pp under 1F1B and ZB-V), and trains two AdamW steps: its losses, its step-1 reduced gradients (a TP
 shard's against the same chunk of the whole gradient, a bucket shard's against its elements), its clipping norms
 and its parameters after the steps are compared with the unsplit model in one float64 process on the global
 batch. Every job runs on one set of 4 processes.
@@ -15,6 +15,8 @@ from tied_training import abs_diff
 from tp_training_fns import Job, gradient_error, reference, training_jobs
 
 EXACT = 1e-12
+PP2 = ("model.blocks.1",)
+ZBV = ("model.blocks.0", "model.blocks.1", "model.ln_f")  # the V's four stages of the two-block GPT
 JOBS = {
     "tiny_gpt-tp2xdp2-all_reduce-clipped": Job(tp=2, dp=2, shard=False, clip=0.5),
     "tiny_gpt-tp2xdp2-shard-inductor": Job(tp=2, dp=2, shard=True, compiler="inductor"),
@@ -23,6 +25,11 @@ JOBS = {
     "hf_llama-tp4-gqa": Job(model="hf_llama", tp=4),
     "hf_gpt2-tp2xdp2-shard": Job(model="hf_gpt2", tp=2, dp=2, shard=True),
     "hf_qwen2-tp2xdp2-params": Job(model="hf_qwen2", tp=2, dp=2, shard="params"),
+    "tiny_gpt-tp2xpp2-1f1b": Job(tp=2, pp=2, microbatches=2, split=PP2),
+    "tiny_gpt-tp2xpp2-zbv-clipped": Job(tp=2, pp=2, schedule="zbv", microbatches=4, split=ZBV, clip=0.5),
+    "tiny_gpt-tp2xpp2-1f1b-shard-inductor-clipped": Job(tp=2, pp=2, microbatches=2, split=PP2, shard=True,
+                                                       compiler="inductor", clip=0.5),
+    "hf_llama-tp2xpp2-1f1b": Job(model="hf_llama", tp=2, pp=2, microbatches=2, split=("model.model.layers.1",)),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},
                                            perturb="model.ln_f.weight"),
@@ -49,7 +56,10 @@ def references():
 @pytest.mark.parametrize("name", TRAINED)
 def test_losses_and_step1_gradients_equal_one_float64_process(ranks, references, name):
     ref, job = references[name], JOBS[name]
-    for r in ranks[name]:
+    # the ranks that hold the pipeline's last stage report the loss (every rank at pp 1)
+    reported = [r for r in ranks[name] if r["losses"] != [None] * job.steps]
+    assert len(reported) == job.tp * job.dp, [r["losses"] for r in ranks[name]]
+    for r in reported:
         assert len(r["losses"]) == job.steps
         for got, want in zip(r["losses"], ref["losses"]):
             assert number_diff(got, want) < EXACT, (name, r["losses"], ref["losses"])
@@ -82,13 +92,15 @@ def test_no_rank_holds_a_tp_sharded_matrix_whole(ranks, name):
         assert r["held_bytes"] == r["replicated_bytes"], r["held_bytes"]
         sharded = sum(1 for dim, _ in r["partitions"].values() if dim is not None)
         assert sharded and r["trained_numel"] < r["whole_numel"], (r["trained_numel"], r["whole_numel"])
-        assert sorted(n for n, _ in r["proved"]) == sorted(r["names"]), "not every gradient's TP reduction proved"
+        # (a tie on one rank, as a V's first and last stage, is proved in each graph that reads it)
+        assert {n for n, _ in r["proved"]} == set(r["names"]), "not every gradient's TP reduction proved"
 
 
-def test_the_tp_ranks_shard_the_same_parameters_along_the_same_dims(ranks):
+def test_the_tp_ranks_of_a_stage_shard_the_same_parameters_along_the_same_dims(ranks):
     for name in TRAINED:
-        first = ranks[name][0]["partitions"]
-        assert all(r["partitions"] == first for r in ranks[name]), name
+        for stage in {r["stage"] for r in ranks[name]}:
+            held = [r["partitions"] for r in ranks[name] if r["stage"] == stage]
+            assert held[0] and all(p == held[0] for p in held), (name, stage)
 
 
 def test_check_tp_replicas_names_a_replicated_parameter_one_tp_rank_changed(ranks):

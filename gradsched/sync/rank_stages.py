@@ -21,7 +21,8 @@ from gradsched.options import SyncOptions
 from gradsched.sync import pass_pipeline
 from gradsched.sync.compile import compile_graph
 from gradsched.sync.preflight import check_backward_graph
-from gradsched.sync.stage_build import (BuiltStage, Halves, agreement_name, cut_graph, flush_graph,
+from gradsched.passes.verify_tensor_parallel import TensorParallelProof
+from gradsched.sync.stage_build import (BuiltStage, Halves, agreement_name, backward_specs, cut_graph, flush_graph,
                                         run_passes)
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_plan import plan_layout, plan_sync
@@ -37,20 +38,28 @@ class StagePart:
     grad_names: dict  # backward output position -> parameter name
     plain: object
     plain_halves: Halves | None
+    tp_proof: TensorParallelProof | None = None  # tp > 1: passes/verify_tensor_parallel's proof of this backward
+    tp_sharded: frozenset = frozenset()  # tp > 1: the names whose Parameters are this rank's TP shards
 
 
 def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str], params: dict,
-               setup: StageSetup, options: SyncOptions, zero_bubble: bool) -> StagePart:
-    """A stage graph of a rank of several stages (names: the rank's, a tie merged on the rank under one)."""
-    conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble)
-    ready = run_passes("backward", bw_gm, example_inputs, setup, conditions,
-                       {"grad_ready_order": grad_names})[1]["grad_ready_order"]
+               setup: StageSetup, options: SyncOptions, zero_bubble: bool,
+               tp_sharded: frozenset = frozenset()) -> StagePart:
+    """A stage graph of a rank of several stages (names: the rank's, a tie merged on the rank under one;
+    `tp_sharded`: under tp > 1 the names whose Parameters are TP shards)."""
+    conditions, specs = backward_specs(setup, options, grad_names, zero_bubble, tp_sharded)
+    records = run_passes("backward", bw_gm, example_inputs, setup, conditions, specs)[1]
+    proof = records.get("verify_tensor_parallel")
+    if proof is not None:
+        proof.raise_if_unsafe()
+    ready = records["grad_ready_order"]
     what = f"a backward graph of pipeline rank {setup.stage}'s stages ({ready[0].name if ready else 'no gradient'}...)"
     if pass_pipeline.applies("cut", "cut_backward", conditions):
         return StagePart(ready, params, dict(grad_names), None, cut_graph(bw_gm, example_inputs, set(grad_names),
-                                                                          options, what))
+                                                                          options, what), proof, tp_sharded)
     return StagePart(ready, params, dict(grad_names),
-                     compile_graph(bw_gm, example_inputs, options.compiler, agree=agreement_name(options, what)), None)
+                     compile_graph(bw_gm, example_inputs, options.compiler, agree=agreement_name(options, what)), None,
+                     proof, tp_sharded)
 
 
 def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
@@ -81,8 +90,12 @@ def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
     if len(order) > 1 and plan.shard and len(setup.grad_group.ranks) > 1 and setup.placement == "tied_at_flush":
         plan = dataclasses.replace(plan, graphs=place_after(plan.layout, final_at, len(order)))
     early = any(w.startswith("early") for w in plan.graphs)
+    proofs = [part.tp_proof for part in parts if part.tp_proof is not None]
+    proof = TensorParallelProof(all(q.ok for q in proofs), [x for q in proofs for x in q.proved],
+                                [x for q in proofs for x in q.hazards]) if proofs else None
     return BuiltStage(plan, params, None, {w: flush_graph(plan, params, options, w) for w in plan.graphs},
-                      order=tuple(order) if early else ())
+                      order=tuple(order) if early else (), tp_sharded=frozenset().union(*(q.tp_sharded for q in parts)),
+                      tp_proof=proof)
 
 
 def finishing_points(parts_ready: list[list], order: tuple[int, ...]) -> tuple[list, dict]:

@@ -79,6 +79,19 @@ class BuiltStage:
     tp_proof: object = None  # tp > 1: passes/verify_tensor_parallel's proof of the backward graph
 
 
+def backward_specs(setup: StageSetup, options: SyncOptions, grad_names: dict[int, str], zero_bubble: bool,
+                   tp_sharded: frozenset):
+    """The backward passes' conditions and specs: the ready order, and under tp > 1 the TP proof's (each
+    gradient with whether its parameter is whole on every TP rank, so summed over TP once)."""
+    tp = len(setup.tp_group.ranks) if setup.tp_group is not None else 1
+    conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble, tp=tp)
+    specs = {"grad_ready_order": grad_names}
+    if tp > 1:
+        specs["verify_tensor_parallel"] = TensorParallelGradSpec(
+            setup.tp_group.name, {i: (n, n not in tp_sharded) for i, n in grad_names.items()})
+    return conditions, specs
+
+
 def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                 params: dict[str, torch.nn.Parameter], setup: StageSetup, options: SyncOptions,
                 first: BuiltStage | None = None, shards: ParamShards | None = None,
@@ -89,12 +102,8 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
     `param_names`: this backward's forward graph's placeholder -> parameter name (the backward's saved
     inputs keep the forward's names; they mean other parameters in another graph); `tp_sharded`: under tp > 1,
     the names whose gradients are TP shards (the others' are proved summed over TP once)."""
-    tp = len(setup.tp_group.ranks) if setup.tp_group is not None else 1
-    conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble, tp=tp)
-    specs = {"grad_ready_order": grad_names}
-    if tp > 1:
-        specs["verify_tensor_parallel"] = TensorParallelGradSpec(
-            setup.tp_group.name, {i: (n, n not in tp_sharded) for i, n in grad_names.items()})
+    conditions, specs = backward_specs(setup, options, grad_names, zero_bubble, tp_sharded)
+    tp = conditions.tp
     # under shard="params" with resharding, the backward gathers what it reads again
     bw_gm, records, param_inputs, example_inputs = run_passes("backward", bw_gm, example_inputs, setup, conditions,
                                                               specs, shards, param_names)
