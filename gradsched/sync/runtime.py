@@ -144,15 +144,13 @@ class GradSync(StageResults):
     def _register_part(self, bw_gm, example_inputs, grad_names: dict[int, str], params: dict, tp_sharded=frozenset()):
         """One stage graph of a rank of several: compiled now; the rank's plan waits for the flush."""
         name = lambda n: self.canonical.get(n, n)  # noqa: E731
-        grad_names = {i: name(n) for i, n in grad_names.items()}
-        tp_sharded = frozenset(name(n) for n in tp_sharded)
+        grad_names, tp_sharded = {i: name(n) for i, n in grad_names.items()}, frozenset(map(name, tp_sharded))
         params = {name(n): p for n, p in params.items()}
         if self.built is not None and set(params) - set(self.built.params):
             raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
                                f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
                                "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
-        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward,
-                          tp_sharded)
+        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward, tp_sharded)
         index = next(  # a stage graph compiled again keeps its place in the order the parts finish
             (i for i, q in enumerate(self.parts) if q.params.keys() == params.keys()), len(self.parts))
         self.parts.append(part)
