@@ -246,6 +246,9 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         # what the user's model itself still holds (under pp > 1: this rank's stage, the rest released)
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),
+        # a tied weight's copy the split leaves on a stage that never reads it (stage 0 keeps the head's): released
+        "stale_bytes": sum(t.untyped_storage().nbytes() for n, t in model.model_state.trained_module().named_parameters(
+            remove_duplicate=False) if n in model.model_state.stale_names()),
         "code": code, "grads": grads, "last_grads": last_grads, "reads": reads,
         "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
                            if n.op == "call_function"],

@@ -16,7 +16,7 @@ Hugging Face config (a directory that also holds weights starts from them). The 
 binary file of token ids (uint16, or uint32 with --ids uint32), as nanoGPT prepares them; each
 step reads the next `batch` windows of seq + 1 tokens, so the data position is the step. Without
 --data, a built-in synthetic stream (a fixed random affine recurrence per sequence) that a model can learn.
-dp is what is left of the world after pp x cp. The rank that holds the loss (the last stage's
+dp is what is left of the world after pp x cp x tp. The rank that holds the loss (the last stage's
 first rank) shows progress and writes the metrics, one JSON object per step.
 
 A mistake of the user's (the plan, the data, the model, the checkpoint) ends the run with one line
@@ -133,6 +133,7 @@ def parse(argv=None):
     ap.add_argument("--ids", default="uint16", choices=("uint16", "uint32"), help="the token ids' type in --data")
     ap.add_argument("--pp", type=int, default=1, help="pipeline stages")
     ap.add_argument("--cp", type=int, default=1, help="context-parallel ranks (dp is the rest of the world)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (each layer split over them, inside a node)")
     ap.add_argument("--batch", type=int, default=8, help="global batch, in sequences")
     ap.add_argument("--microbatches", type=int, default=1, help="per step, per data-parallel rank")
     ap.add_argument("--schedule", default="auto", choices=SCHEDULES,
@@ -242,7 +243,13 @@ def check_alone(args, world: int) -> None:
     finds the same, before any connection (a rank that left while its peers were still connecting failed
     them in gloo, and rank 0's line could be lost). The checkpoint's, the model's and the data's checks
     follow in train, before connecting too."""
-    dp = plan_sizes(world, args.pp, args.cp)
+    if args.tp > 1 and args.cp > 1:
+        raise Mistake(f"--tp {args.tp} with --cp {args.cp}: tensor parallelism trains over tp x dp x pp so far "
+                      "(context parallelism under it is not built yet); give --cp 1, or --tp 1.")
+    if args.tp > 1 and (args.ckpt or args.resume):
+        raise Mistake(f"--tp {args.tp} with --ckpt/--resume: checkpoints do not hold tensor-parallel shards yet "
+                      "(issue 61); train without them, or with --tp 1.")
+    dp = plan_sizes(world, args.pp, args.cp, tp=args.tp)
     if args.batch % (dp * args.microbatches):
         raise Mistake(f"--batch {args.batch} must divide into dp={dp} x --microbatches {args.microbatches}.")
     try:
@@ -302,7 +309,7 @@ def train(args) -> int:
     if args.warmup > args.steps:
         warn(f"--warmup {args.warmup} is longer than the run (--steps {args.steps}): the learning rate never "
              f"reaches --lr {args.lr:g} (it peaks at {args.lr * args.steps / args.warmup:.3g}).")
-    plan = gradsched.ParallelPlan.from_world(pp=args.pp, cp=args.cp)  # connects
+    plan = gradsched.ParallelPlan.from_world(pp=args.pp, cp=args.cp, tp=args.tp)  # connects
     # from_world has set this process's GPU from LOCAL_RANK under NCCL
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     model = model.to(device=device, dtype=getattr(torch, args.dtype))
@@ -321,14 +328,15 @@ def train(args) -> int:
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
     start = gradsched.load(resume_from, model, opt)["data_position"] if resume_from else 0
-    # the loss's rank (zbv: pipeline rank 0): the last stage's first replica
-    reporter = model.num_stages - 1 in model.local and plan.rank == plan.first_replica()
+    # the loss's rank (zbv: pipeline rank 0): the last stage's first replica, on TP rank 0
+    reporter = model.num_stages - 1 in model.local and plan.rank == plan.first_replica() and plan.index("tp") == 0
     progress = Progress(args.steps, args.log_every) if reporter else None
     metrics = open_metrics(args.metrics, start) if reporter and args.metrics else None
     per, dp_idx = args.batch // plan.dp, plan.index("dp")
     if reporter:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
-              f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "
+              f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' tp={plan.tp}' if plan.tp > 1 else ''}"
+              f"{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "
               f"{f'stages begin at {points}, ' if plan.pp > 1 else ''}"
               f"steps {start + 1}..{args.steps}", flush=True)
     for step in range(start, args.steps):

@@ -168,15 +168,25 @@ def find_roles(graph: fx.Graph, params: dict, tp: int, heads: bool = True) -> di
         tied = [e for e in embeddings if e.args[1] is linear_parts(head)[1]]
         # untied: the embedding of the graph's own token input over as many rows as the head has outputs
         vocab = fake_value(head).shape[-1]
-        for emb in tied or [e for e in embeddings if e.args[0].op == "placeholder" and
+        for emb in tied or [e for e in embeddings if of_input(e.args[0]) and
                             fake_value(e.args[1]).shape[0] == vocab]:
             roles[emb] = "vocab"
     if not heads:  # a pipeline's first stage: its embedding of the token input is vocab-parallel all the same,
         # so that a tie with the last stage's column-parallel head pairs the same vocabulary rows on each TP rank
         for emb in embeddings:
-            if emb.args[0].op == "placeholder" and fake_value(emb.args[1]).shape[0] % tp == 0:
+            if of_input(emb.args[0]) and fake_value(emb.args[1]).shape[0] % tp == 0:
                 roles[emb] = "vocab"
     return roles
+
+
+def of_input(n: fx.Node) -> bool:
+    """`n` is a graph input, or one input's copy or view (gradsched.hf.CausalLM clones its tokens first)."""
+    while n.op != "placeholder":
+        inputs = n.all_input_nodes
+        if n.op not in ("call_function", "call_method") or len(inputs) != 1 or n.args[0] is not inputs[0]:
+            return False
+        n = inputs[0]
+    return True
 
 
 def reaches(n: fx.Node, outputs: set, memo: dict) -> bool:

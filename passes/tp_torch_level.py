@@ -103,6 +103,8 @@ SPELLINGS = {
         "call_function", F.scaled_dot_product_attention, tuple(a), dict(k)),
     aten.cross_entropy_loss.default: _cross_entropy,
     aten.gelu.default: lambda a, k: ("call_function", F.gelu, (a[0],), {"approximate": k.get("approximate", "none")}),
+    aten.dropout.default: lambda a, k: ("call_function", F.dropout, (a[0], a[1], a[2]), {}) if len(a) == 3 and not k
+    else None,
     aten.silu.default: _unary(F.silu),
     aten.relu.default: _unary(F.relu),
     aten.tanh.default: _unary(torch.tanh),
@@ -133,7 +135,11 @@ SPELLINGS = {
     aten.slice.Tensor: _slice,
     aten._to_copy.default: _to_copy,
     aten.to.dtype: lambda a, k: ("call_method", "to", (a[0], a[1]), {}) if len(a) == 2 and not k else None,
-    aten.clone.default: lambda a, k: ("call_method", "clone", (a[0],), {}) if not k else None,
+    # a clone's memory format changes strides, not values (export writes x.contiguous() so)
+    aten.clone.default: lambda a, k: ("call_method", "clone", (a[0],), {}) if set(k) <= {"memory_format"} else None,
+    aten.addmm.default: lambda a, k: ("call_function", torch.addmm, tuple(a[:3]), {}) if len(a) == 3 and not k
+    else None,
+    aten.permute.default: lambda a, k: ("call_method", "permute", (a[0], *a[1]), {}),
 }
 
 

@@ -12,6 +12,7 @@ import shutil
 import site
 import subprocess
 import sys
+import json
 import tarfile
 import zipfile
 
@@ -133,3 +134,20 @@ def test_the_backend_is_registered_by_name_from_the_installed_wheel(installed):
 def test_the_verifier_command_is_installed(installed):
     done = run_installed(installed, "gradsched-verify", "--help")
     assert done.returncode == 0 and "usage" in done.stdout.lower(), done.stdout + done.stderr
+
+
+def test_tensor_parallel_training_runs_from_the_installed_wheel_with_the_losses_of_one_process(installed, tmp_path):
+    """The Llama's layers split over tp 2 in each of 2 pipeline stages, started by gradsched.train's own launcher:
+    its losses and gradient norms are one process's (float32: both round alike only to ~1e-6)."""
+    args = ["-m", "gradsched.train", "--model", "llama-tiny", "--steps", "3", "--seq", "32", "--batch", "8",
+            "--microbatches", "2", "--compiler", "eager"]
+    runs, said = {}, {}
+    for name, layout in (("tp2_pp2", ["--nproc-per-node", "4", "--tp", "2", "--pp", "2"]), ("one_process", [])):
+        done = run_installed(installed, *args, *layout, "--metrics", str(tmp_path / f"{name}.jsonl"))
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        runs[name], said[name] = [json.loads(line) for line in open(tmp_path / f"{name}.jsonl")], done.stdout
+    assert "pp=2 dp=1 cp=1 tp=2" in said["tp2_pp2"], said["tp2_pp2"]
+    assert [r["step"] for r in runs["tp2_pp2"]] == [1, 2, 3]
+    for got, want in zip(runs["tp2_pp2"], runs["one_process"], strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (got, want)
+        assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), (got, want)

@@ -29,6 +29,8 @@ JOBS = {
     "tiny_gpt-tp2xpp2-zbv-clipped": Job(tp=2, pp=2, schedule="zbv", microbatches=4, split=ZBV, clip=0.5),
     "tiny_gpt-tp2xpp2-1f1b-shard-inductor-clipped": Job(tp=2, pp=2, microbatches=2, split=PP2, shard=True,
                                                        compiler="inductor", clip=0.5),
+    "hf_gpt2-tp2xpp2-params": Job(model="hf_gpt2", tp=2, pp=2, microbatches=2, split=("model.transformer.h.1",),
+                                  shard="params"),
     "hf_llama-tp2xpp2-1f1b": Job(model="hf_llama", tp=2, pp=2, microbatches=2, split=("model.model.layers.1",)),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},

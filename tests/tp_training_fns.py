@@ -103,9 +103,11 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     return {"losses": losses, "stage": plan.stage, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
             "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,
             "held_bytes": sum(p.untyped_storage().nbytes() for p in whole.values()),
-            # what a rank would hold of whole parameters: the replicated ones, by shape (none under "params")
+            # what a rank would hold of whole parameters: the replicated ones it trains, by shape (none under
+            # "params"; never a tied copy the pipeline's split left on a stage that does not read it)
             "replicated_bytes": 0 if job.shard == "params" else sum(
-                w.numel() * w.element_size() for n, w in whole.items() if partitions.get(n, (None,))[0] is None),
+                w.numel() * w.element_size() for n, w in whole.items()
+                if partitions.get(n, (None,))[0] is None and n not in model.model_state.stale_names()),
             "whole_numel": sum(w.numel() for w in whole.values()),
             "names": [n for n, _ in model.named_parameters()],
             "trained_numel": sum(p.numel() for _, p in model.named_parameters())}

@@ -6,7 +6,8 @@ would land in another's place); pass_through_skips passes a value a stage reads 
 stages back through the stages between (pipelining sends to the next stage only), and
 check_adjacent_stages refuses what is left; checkpointed_calls records which calls the model checkpoints
 while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
-and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_other_stages
+and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_stale_copies frees a
+tied weight's copy the split leaves on a stage that never reads it; release_other_stages
 drops what the user's model still holds of the other stages once this rank's stage is built.
 """
 from __future__ import annotations
@@ -251,4 +252,20 @@ def release_other_stages(model: nn.Module, stage_module: nn.Module) -> int:
                     empty = torch.empty_like(t, device="meta")
                     replaced[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
                 table[name] = replaced[id(t)]
+    return released
+
+
+def release_stale_copies(stage_module: nn.Module, stale: set) -> int:
+    """A tied weight's copy that pipelining's split leaves on a stage that never reads it (the first stage keeps
+    the head's) holds a whole vocabulary x hidden matrix for nothing: its storage is released (its shape kept;
+    a read would fail, not read stale values), unless a tensor the stage trains shares it. Returns the bytes."""
+    kept = {t.untyped_storage().data_ptr() for n, t in stage_module.named_parameters(remove_duplicate=False)
+            if n not in stale}
+    released = 0
+    for n, t in stage_module.named_parameters(remove_duplicate=False):
+        storage = t.untyped_storage()
+        if n in stale and not t.is_meta and storage.nbytes() and storage.data_ptr() not in kept:
+            released += storage.nbytes()
+            with torch.no_grad():
+                storage.resize_(0)
     return released
