@@ -150,3 +150,25 @@ def gradient_error(ref: dict, ranks: list, tp: int) -> float:
             held = ~torch.isnan(want)
             worst = max(worst, abs_diff(shard[held], want[held]))
     return worst
+
+
+def resume_main(rank: int, world: int, job: Job, save_to: str, load_from: str, stop: int) -> dict:
+    """`job`'s layout trains from the start, or from the checkpoint at `load_from`, up to step `stop`, then saves
+    to `save_to` ('' : no save). Returns the steps' losses and the state dict after them (TP shards gathered)."""
+    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp)
+    pipeline = dict(split_points=job.split, schedule=job.schedule, microbatches=job.microbatches) if job.pp > 1 else {}
+    model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
+                                  shard=job.shard, **pipeline, **job.options)
+    opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    start = gradsched.load(load_from, model, opt)["step"] if load_from else 0
+    dp_idx, per_rank, losses = plan.index("dp"), job.global_batch // job.dp, []
+    for step in range(start, stop):
+        x, y = batch(job, step)
+        sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
+        loss = model.train_step(x[sl], y[sl])
+        losses.append(None if loss is None else float(loss))
+        opt.step()
+        opt.zero_grad()
+    if save_to:
+        gradsched.save(save_to, model, opt, step=stop)
+    return {"start": start, "losses": losses, "state": model.state_dict()}

@@ -57,6 +57,10 @@ class TensorParallelShards:
         held = self._by_param.get(id(whole))
         return held[1] if held is not None else None
 
+    def partition_of_shard(self, shard):
+        """The partition a trained shard was cut by (None: `shard` is no TP shard, e.g. a replicated parameter)."""
+        return next((part for _, part, held in self._by_param.values() if held is shard), None)
+
     @torch.no_grad()
     def gather(self, whole, value: torch.Tensor) -> torch.Tensor:
         """`value` (this rank's shard of `whole`, e.g. its trained values) gathered whole over the TP group; every

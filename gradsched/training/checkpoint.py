@@ -47,7 +47,8 @@ from gradsched.sync.watchdog import JOURNAL, CollectiveFault
 from gradsched.training.checkpoint_files import (LATEST, MANIFEST, CheckpointError, checkpoint_dir, damage, damaged,
                                                  file_sum, read_manifest, write_manifest)
 from gradsched.training.checkpoint_state import (dcp_call, model_tensors, optimizer_entries, pieces_api, restore_into,
-                                                 sharded_parameter_names, trained_module_names_all)
+                                                 sharded_parameter_names, tp_model_entries, tp_model_reads,
+                                                 tp_shards_by_key, trained_module_names_all)
 
 __all__ = ["CheckpointError", "checkpoint_dir", "load", "save"]
 
@@ -68,19 +69,8 @@ def save(path: str, model, optimizer=None, *, step: int, data_position: int | No
     """Save the model, the optimizer and the position of the run; every rank calls it. Returns the
     checkpoint's directory. Atomic: until every rank has written and the manifest (each file's size
     and crc32) is in place, `latest` names the previous one."""
-    _refuse_tensor_parallel(model, "save")
     with _peers_named("saving", path):
         return _save(path, model, optimizer, step=step, data_position=data_position)
-
-
-def _refuse_tensor_parallel(model, what: str) -> None:
-    """Checkpoints key whole parameters; a TP rank's are shards of them, which this module does not lay out yet:
-    refused on every rank alike, before any collective."""
-    plan = getattr(model, "plan", None)
-    if plan is not None and plan.tp > 1:
-        raise CheckpointError(f"checkpoint {what} at tp={plan.tp}: gradsched's checkpoints do not hold tensor-parallel "
-                              "shards yet (issue 61). Save from a run at tp=1, or keep the run going; "
-                              "model.state_dict() gives every parameter whole on each rank meanwhile.")
 
 
 def _save(path: str, model, optimizer=None, *, step: int, data_position: int | None = None) -> str:
@@ -92,7 +82,8 @@ def _save(path: str, model, optimizer=None, *, step: int, data_position: int | N
         os.makedirs(path, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a crashed save of this step
     dist.barrier()
-    state = {f"model/{k}": v.detach() for k, v in model_tensors(model, writing=True).items()}
+    tensors = model_tensors(model, writing=True)
+    state = {f"model/{k}": v.detach() for k, v in tensors.items()}
     state["meta/step"] = torch.tensor(step, dtype=torch.int64, device="cpu")
     state["meta/data_position"] = torch.tensor(step if data_position is None else data_position, dtype=torch.int64,
                                                  device="cpu")
@@ -100,6 +91,7 @@ def _save(path: str, model, optimizer=None, *, step: int, data_position: int | N
         state["meta/optimizer"] = _encode(optimizer.optimizer_class.__name__)
     writer = _RecordingWriter(partial)
     with pieces_api():
+        state.update(tp_model_entries(model, tensors))  # a TP shard: its chunks of the whole
         state.update(optimizer_entries(model, optimizer))
         dcp_call("saving", partial, lambda: dcp.save(state, storage_writer=writer))
     sums = _gather_sums(partial, writer.files)  # also the barrier: every rank has written
@@ -172,7 +164,6 @@ def load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
     the checkpoint against the model and optimizer: a damaged or unfitting checkpoint is a
     CheckpointError on every rank, with the model and optimizer untouched. verify=False skips the
     checksums (a checkpoint written before them: no manifest); the other checks stay."""
-    _refuse_tensor_parallel(model, "load")
     with _peers_named("loading", path):
         return _load(path, model, optimizer, verify=verify)
 
@@ -192,17 +183,24 @@ def _load(path: str, model, optimizer=None, *, verify: bool = True) -> dict:
         if saved != optimizer.optimizer_class.__name__:
             raise CheckpointError(f"the checkpoint at {where!r} holds the state of {saved}, but the optimizer is "
                                   f"{optimizer.optimizer_class.__name__}: load it into the same optimizer class.")
-    state = {f"model/{k}": torch.empty_like(v.detach()) for k, v in mine.items()}
+    with pieces_api():
+        tp_request, tp_reads, tp_values = tp_model_reads(model, mine)  # a TP shard: its chunks of the whole
+    state = {f"model/{k}": torch.empty_like(v.detach()) for k, v in mine.items() if f"model/{k}" not in tp_request}
+    state.update(tp_request)
     state["meta/step"] = torch.zeros((), dtype=torch.int64, device="cpu")  # host metadata
     state["meta/data_position"] = torch.zeros((), dtype=torch.int64, device="cpu")
-    dcp_call("loading", where, lambda: dcp.load(state, checkpoint_id=where))
+    with pieces_api():
+        dcp_call("loading", where, lambda: dcp.load(state, checkpoint_id=where))
+    tp_reads.put()
+    shards = tp_shards_by_key(model)
     sharded = sharded_parameter_names(model)  # shard="params": their own storage is released
     with torch.no_grad():
         for k, v in mine.items():
+            v, value = (shards[k], tp_values[k].view(shards[k].shape)) if k in shards else (v, state[f"model/{k}"])
             if id(v) in sharded:
-                find_sync(model).param_shards.set_whole(sharded[id(v)], state[f"model/{k}"])
+                find_sync(model).param_shards.set_whole(sharded[id(v)], value)
             else:
-                v.copy_(state[f"model/{k}"])
+                v.copy_(value)
     if optimizer is not None:
         # a checkpoint saved before the optimizer's first step has no state: the optimizer starts
         # afresh from the loaded parameters. Otherwise its state is read for this rank's layout,
