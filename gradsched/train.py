@@ -7,7 +7,7 @@ One node, 8 processes (GPUs, or CPU processes with gloo):
 Several nodes: the same command on each node with torchrun's rendezvous instead of --standalone:
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m gradsched.train ...
 Resume: add --resume ckpt (the newest complete checkpoint there) or --resume ckpt/step-00000200. The
-checkpoint does not depend on the layout: --pp/--cp and the world size may change.
+checkpoint does not depend on the layout: --pp/--cp/--tp and the world size may change.
 One node without torchrun: python -m gradsched.train --nproc-per-node 8 ... starts the processes itself
 (and without --nproc-per-node, one process).
 
@@ -246,9 +246,6 @@ def check_alone(args, world: int) -> None:
     if args.tp > 1 and args.cp > 1:
         raise Mistake(f"--tp {args.tp} with --cp {args.cp}: tensor parallelism trains over tp x dp x pp so far "
                       "(context parallelism under it is not built yet); give --cp 1, or --tp 1.")
-    if args.tp > 1 and (args.ckpt or args.resume):
-        raise Mistake(f"--tp {args.tp} with --ckpt/--resume: checkpoints do not hold tensor-parallel shards yet "
-                      "(issue 61); train without them, or with --tp 1.")
     dp = plan_sizes(world, args.pp, args.cp, tp=args.tp)
     if args.batch % (dp * args.microbatches):
         raise Mistake(f"--batch {args.batch} must divide into dp={dp} x --microbatches {args.microbatches}.")

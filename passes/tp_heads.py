@@ -16,17 +16,20 @@ from .tp_roles import where
 class Heads:
     def _attention(self, node) -> None:
         q, k, v = node.args[:3]
+        grouped = False  # keys and values narrowed to the groups this rank's queries read (SDPA's enable_gqa)
         if self._l(q) == Shard(1):
             for kv in (k, v):
                 if self._l(kv) == FULL:
-                    node.replace_input_with(kv, self._heads_for_rank(node, kv))
+                    taken = self._heads_for_rank(node, kv)
+                    grouped |= taken.target == "narrow"
+                    node.replace_input_with(kv, taken)
             q, k, v = node.args[:3]
         lays = [self._l(a) for a in (q, k, v)]
         if any(l != Shard(1) for l in lays):
             raise TensorParallelError(f"the attention at {where(node)} reads q, k, v laid out "
                                       f"{', '.join(map(str, lays))}, not split by heads ([B, H, S, D], dim 1).")
         hq, hk = self.whole[q].shape[1], self.whole[k].shape[1]
-        for name, h in (("query", hq), ("key/value", hk)):
+        for name, h in (("query", hq), ("key/value", 0 if grouped else hk)):
             if h % self.spec.tp:
                 raise TensorParallelError(f"the attention at {where(node)} has {h} {name} heads, which tp="
                                           f"{self.spec.tp} does not divide: choose tp dividing the head counts.")

@@ -9,6 +9,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from gradsched.training.checkpoint import CheckpointError, checkpoint_dir
 from gradsched.launch import RankFailed, run_ranks
@@ -205,3 +206,31 @@ def test_torchs_checkpoint_exception_leaves_as_a_checkpoint_error_naming_the_che
     with pytest.raises(CheckpointError, match=r"loading the checkpoint at 'ckpt/step-1' failed: rank 1: EOFError: "
                                               r"Ran out of input\."):
         dcp_call("loading", "ckpt/step-1", fails)
+
+
+def test_a_ranks_tp_shard_and_bucket_piece_are_the_chunks_of_the_whole_tensor_they_hold():
+    """checkpoint_chunks.chunks against take_chunk (the TP pass's own cut): for random shapes, partitions (with
+    fused segments), TP ranks and flat ranges, each chunk's view of the piece is the whole tensor's box, and the
+    chunks hold every element of the piece once."""
+    import random
+
+    from gradsched.passes.tp_layouts import Partition, take_chunk
+    from gradsched.training.checkpoint_chunks import chunks
+    rng = random.Random(0)
+    for _ in range(500):
+        nd, tp, segments = rng.choice([1, 2, 3]), rng.choice([1, 2, 4]), rng.choice([1, 2, 3])
+        dim = rng.randrange(nd)
+        shape = [rng.randint(1, 4) for _ in range(nd)]
+        shape[dim] = segments * tp * rng.randint(1, 3)
+        whole = torch.randn(shape, dtype=torch.float64)
+        partition = Partition("column", dim, segments) if rng.random() < 0.8 else None
+        rank = rng.randrange(tp)
+        part = take_chunk(whole, dim, segments, tp, rank) if partition else whole
+        lo = rng.randrange(part.numel())
+        hi = rng.randint(lo + 1, part.numel())
+        piece = part.reshape(-1)[lo:hi].clone()
+        found = chunks(tuple(part.shape), lo, hi, partition, tp, rank)
+        assert sum(c.view(piece).numel() for c in found) == hi - lo
+        for c in found:
+            box = tuple(slice(o, o + n) for o, n in zip(c.offsets, c.sizes))
+            assert torch.equal(whole[box], c.view(piece)), (shape, partition, tp, rank, lo, hi, c)

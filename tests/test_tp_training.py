@@ -12,7 +12,7 @@ import pytest
 
 from gradsched.launch import run_ranks
 from tied_training import abs_diff
-from tp_training_fns import Job, gradient_error, reference, training_jobs
+from tp_training_fns import Job, gradient_error, reference, resume_main, training_jobs
 
 EXACT = 1e-12
 PP2 = ("model.blocks.1",)
@@ -23,6 +23,7 @@ JOBS = {
     "tiny_gpt-tp2xdp2-params-clipped": Job(tp=2, dp=2, shard="params", clip=0.5),
     "tiny_gpt-tp4-inductor-clipped": Job(tp=4, compiler="inductor", clip=0.5),
     "hf_llama-tp4-gqa": Job(model="hf_llama", tp=4),
+    "gradsched_llama-tp4-enable_gqa": Job(model="gradsched_llama", tp=4),
     "hf_gpt2-tp2xdp2-shard": Job(model="hf_gpt2", tp=2, dp=2, shard=True),
     "hf_qwen2-tp2xdp2-params": Job(model="hf_qwen2", tp=2, dp=2, shard="params"),
     "tiny_gpt-tp2xpp2-1f1b": Job(tp=2, pp=2, microbatches=2, split=PP2),
@@ -116,3 +117,31 @@ def test_check_tp_replicas_names_a_replicated_parameter_one_tp_rank_changed(rank
 def test_check_tp_replicas_passes_a_run_whose_replicas_are_equal(ranks):
     assert all("diverged" not in r for r in ranks["tiny_gpt-tp2xdp2-replicas_checked"])
     assert all(math.isfinite(x) for r in ranks["tiny_gpt-tp2xdp2-replicas_checked"] for x in r["losses"])
+
+
+# ---- checkpoints: saved at tp2 x pp2, resumed at other layouts -----------------------------------
+
+SAVED = Job(tp=2, pp=2, microbatches=2, split=PP2, shard=True)
+RESUMED = {"tp1": Job(tp=1), "tp4": Job(tp=4), "tp2xdp2-params": Job(tp=2, dp=2, shard="params")}
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Two steps at tp2 x pp2 then a save; each other layout loads it and takes the third step."""
+    where = str(tmp_path_factory.mktemp("tp_checkpoint"))
+    saved = run_ranks(resume_main, 4, SAVED, where, "", 2, timeout_s=600)
+    return saved, {name: run_ranks(resume_main, job.tp * job.dp * job.pp, job, "", where, 3, timeout_s=600)
+                   for name, job in RESUMED.items()}
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_a_checkpoint_saved_at_tp2_x_pp2_resumes_at_another_layout_as_one_float64_process_goes_on(resumed, name):
+    """The third step's loss and every parameter after it (AdamW's moments read back for the new layout) equal
+    one float64 process trained three steps."""
+    saved, runs = resumed
+    ref = reference(Job(steps=3))
+    assert [r["losses"] for r in saved if r["losses"][0] is not None] == [pytest.approx(ref["losses"][:2], abs=EXACT)] * 2
+    for r in runs[name]:
+        assert r["start"] == 2 and number_diff(r["losses"][0], ref["losses"][2]) < EXACT, (r["losses"], ref["losses"])
+        worst = max(abs_diff(r["state"][k], v) for k, v in ref["state"].items())
+        assert worst < EXACT, worst

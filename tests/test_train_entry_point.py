@@ -114,7 +114,6 @@ def test_each_mistake_is_one_line_and_exit_code_2(one_process, capsys, token_fil
         ("--pp", "3"): "pp=3 x cp=1 does not divide the world size 1",
         ("--model", "no-such-model"): "--model 'no-such-model': not a built-in",
         ("--tp", "2", "--cp", "2"): "--tp 2 with --cp 2: tensor parallelism trains over tp x dp x pp so far",
-        ("--tp", "2", "--ckpt", str(tmp_path / "ckpt")): "checkpoints do not hold tensor-parallel shards yet",
         ("--resume", str(tmp_path / "empty")): "is empty: no checkpoint was saved there yet",
         ("--resume", str(tmp_path / "nothing")): "there is nothing at that path",
     }

@@ -21,6 +21,9 @@ def build(model: str, dtype: torch.dtype):
     if model in ("tiny_gpt", "tiny_gpt_checkpointed", "tiny_gpt_selective"):  # every block checkpointed, or selectively
         mode = {"tiny_gpt": "", "tiny_gpt_checkpointed": "non_reentrant", "tiny_gpt_selective": "selective"}[model]
         return TinyGPT(GPTConfig(seq=SEQ, checkpoint=mode)).to(dtype), lambda m, x: m(x)
+    if model == "gradsched_llama":  # through gradsched.hf.CausalLM: its attention is SDPA with enable_gqa
+        from gradsched.hf import tiny_llama
+        return tiny_llama(seq=SEQ)[0].to(dtype), lambda m, x: m(x)
     import transformers
     if model == "hf_llama":  # GQA: 2 key/value heads for 4 query heads (fewer than tp at tp 4)
         c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

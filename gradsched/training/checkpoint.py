@@ -8,14 +8,15 @@ What is saved, by the parameter's name in the unsplit model (a tied weight under
 name, written by the first stage of its tie):
   model/<name>             parameters and buffers, whole; a tensor several ranks hold (the
                            ranks of one stage) is written once
-  optim/<name>/master      the master weights (fp32; a float64 model's float64), flattened
-  optim/<name>/<state>     the optimizer's state of that parameter (exp_avg, exp_avg_sq, ...),
-                           flattened; scalar state (step) whole
+  optim/<name>/master      the master weights (fp32; a float64 model's float64), in the parameter's shape
+  optim/<name>/<state>     the optimizer's state of that parameter (exp_avg, exp_avg_sq, ...), in
+                           its shape; scalar state (step) whole
   meta/step, meta/data_position, meta/optimizer (the optimizer class's name, as bytes)
-Each rank writes only the pieces of the parameters its shards hold (gradsched.training.shards),
-declared to DCP as pieces of the flattened parameter: nothing is gathered, and loading
-reads, for each piece of the new layout, whatever saved pieces overlap it. So a run saved
-at pp2 x dp2 loads at pp1 x dp4 or with another bucket_mb.
+Each rank writes only the pieces of the parameters its shards hold (gradsched.training.shards; under
+tp > 1 of its TP shards), declared to DCP as blocks of the whole parameter
+(gradsched.training.checkpoint_chunks): nothing is gathered, and loading reads, for each block of the
+new layout, whatever saved blocks overlap it. So a run saved at tp2 x pp2 x dp2 loads at pp1 x dp4,
+at tp4 or with another bucket_mb.
 
 Atomic: a save is written to <path>/step-<N>.partial; after every rank has written, the
 size and crc32 of every file go into its manifest (gradsched.training.checkpoint_files), written

@@ -2,9 +2,10 @@
 
 Names: a parameter under its first name in the unsplit model (canonical_names); a tied copy is
 written by the first stage of its tie, and the stale copies pipelining's split leaves are never
-read or written (skipped). The optimizer's master weights and per-element state are written as
-pieces of the flattened parameter (a ShardedTensor over the gradient group's pieces), so any
-layout reads whatever saved pieces overlap its own (restore_into). dcp_call turns DCP's
+read or written (skipped). A TP shard, and the optimizer's master weights and per-element state, are
+written as blocks of the whole parameter in its shape (a ShardedTensor of the chunks _Parts finds: each
+TP rank's, of one replica), so any layout reads whatever saved blocks overlap its own (restore_into,
+tp_model_reads). dcp_call turns DCP's
 CheckpointException (a BaseException) into a CheckpointError naming the checkpoint.
 """
 from __future__ import annotations
