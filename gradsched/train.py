@@ -212,6 +212,12 @@ def main(argv=None) -> int:
         if isinstance(e, CollectiveFault) or isinstance(e.__cause__, CollectiveFault):
             return fault(e)
         return refuse(e, 3 if isinstance(e, gradsched.NonFiniteError) else 2)
+    except Exception as e:  # a model tensor parallelism cannot split, found as its graph compiles (Dynamo wraps it)
+        from gradsched.passes.tp_layouts import TensorParallelError
+        found = next((x for x in (e, e.__cause__, e.__context__) if isinstance(x, TensorParallelError)), None)
+        if args.debug or found is None:
+            raise
+        return refuse(found)
 
 
 def refuse(e: Exception, code: int = 2) -> int:

@@ -270,3 +270,16 @@ def test_a_rank_killed_mid_run_ends_every_survivor_with_one_line_naming_it(tmp_p
     assert proc.returncode != 0 and len(lines) == 1, out[-3000:]
     assert "rank 1" in lines[0] and "gone" in lines[0] and "Traceback" not in out, out[-3000:]
     assert ended < 30  # the survivor named the dead rank within seconds, not gloo's 30 minutes
+
+
+def test_a_model_tensor_parallelism_cannot_split_ends_every_rank_with_one_line_naming_its_source(tmp_path):
+    """6 heads over tp=4: found as the graph compiles on every TP rank alike, said once, exit code 2."""
+    config = tmp_path / "six_heads.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 256, "hidden_size": 48,
+                                  "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 6,
+                                  "num_key_value_heads": 6, "tie_word_embeddings": True}))
+    code, out = run([sys.executable, *TRAIN, "--nproc-per-node", "4", "--tp", "4", "--steps", "2",
+                     "--model", str(config)])
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert code == 2 and "Traceback" not in out, out[-3000:]
+    assert len(errors) == 1 and "modeling_llama.py" in errors[0] and "split over tp=4" in errors[0], errors
