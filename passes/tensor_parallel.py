@@ -378,9 +378,9 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
         def whole(a):
             if not isinstance(a, fx.Node):
                 return a
+            if self._l(a).kind == "partial":  # a stage that ends at the embedding: reduced, then gathered whole
+                a = self._reduce(a, node)
             lay = self._l(a)
-            if lay.kind == "partial":
-                raise TensorParallelError(f"graph output {a.name} is a partial sum.")
             if not lay.split:
                 return a
             if lay.segments != 1:

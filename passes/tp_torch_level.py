@@ -137,6 +137,8 @@ SPELLINGS = {
     aten.to.dtype: lambda a, k: ("call_method", "to", (a[0], a[1]), {}) if len(a) == 2 and not k else None,
     # a clone's memory format changes strides, not values (export writes x.contiguous() so)
     aten.clone.default: lambda a, k: ("call_method", "clone", (a[0],), {}) if set(k) <= {"memory_format"} else None,
+    aten.contiguous.default: lambda a, k: ("call_method", "contiguous", (a[0],), {}) if not k and len(a) == 1
+    else None,
     aten.addmm.default: lambda a, k: ("call_function", torch.addmm, tuple(a[:3]), {}) if len(a) == 3 and not k
     else None,
     aten.permute.default: lambda a, k: ("call_method", "permute", (a[0], *a[1]), {}),

@@ -32,6 +32,8 @@ JOBS = {
                                                        compiler="inductor", clip=0.5),
     "hf_gpt2-tp2xpp2-params": Job(model="hf_gpt2", tp=2, pp=2, microbatches=2, split=("model.transformer.h.1",),
                                   shard="params"),
+    "hf_qwen2-tp2xpp2-zbv-embedding_stage": Job(model="hf_qwen2", tp=2, pp=2, schedule="zbv", microbatches=4, split=(
+        "model.model.layers.0", "model.model.layers.1", "model.model.norm"), shard=True, clip=0.5),  # stage 0: the embedding alone
     "hf_llama-tp2xpp2-1f1b": Job(model="hf_llama", tp=2, pp=2, microbatches=2, split=("model.model.layers.1",)),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},

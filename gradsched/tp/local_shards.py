@@ -31,6 +31,7 @@ class TensorParallelShards:
     def __init__(self, tp: int, rank: int, group):
         self.tp, self.rank, self.group = tp, rank, group  # group: the TP process group
         self._by_param: dict[int, tuple] = {}  # id(whole Parameter) -> (whole, partition, shard)
+        self._by_shard: dict[int, object] = {}  # id(shard) -> its partition
 
     def shard(self, whole: torch.nn.Parameter, partition, name: str) -> torch.nn.Parameter:
         held = self._by_param.get(id(whole))
@@ -44,6 +45,7 @@ class TensorParallelShards:
             raise RuntimeError(f"gradsched tp={self.tp}: parameter {name} has no storage left to cut its shard from.")
         shard = torch.nn.Parameter(local_shard(whole, partition, self.tp, self.rank), requires_grad=whole.requires_grad)
         self._by_param[id(whole)] = (whole, partition, shard)
+        self._by_shard[id(shard)] = partition
         with torch.no_grad():
             whole.untyped_storage().resize_(0)
         return shard
@@ -59,7 +61,7 @@ class TensorParallelShards:
 
     def partition_of_shard(self, shard):
         """The partition a trained shard was cut by (None: `shard` is no TP shard, e.g. a replicated parameter)."""
-        return next((part for _, part, held in self._by_param.values() if held is shard), None)
+        return self._by_shard.get(id(shard))
 
     @torch.no_grad()
     def gather(self, whole, value: torch.Tensor) -> torch.Tensor:
