@@ -72,7 +72,7 @@ def even_split_points(layers: int, pp: int, prefix: str = "model.model.layers") 
     return [f"{prefix}.{layers * k // pp}" for k in range(1, pp)]
 
 
-def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, split_points=(),
+def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, split_points=(), tp: int = 1,
             optimizer=torch.optim.AdamW, optimizer_kwargs=None, backend="nccl", progress=print,
             device: str = "cuda", **options) -> list[Role]:
     """Measure every stage's role of a plan (see the module docstring). `model`: on the meta device (or
@@ -94,16 +94,16 @@ def dry_run(model, loss_fn, *, pp: int, dp: int, cp: int, batch: int, seq: int, 
         warnings.filterwarnings("ignore", message="gradsched: running a graph with a known hazard")
         # cp > 1: the ring and Ulysses choose their block kernels by device already (meta stands for a GPU)
         with priced_as(device) if cp == 1 else contextlib.nullcontext():
-            return _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, optimizer_kwargs,
+            return _dry_run(model, loss_fn, pp, dp, cp, tp, m, tokens, split_points, optimizer, optimizer_kwargs,
                             backend, progress, options)
 
 
-def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, optimizer_kwargs, backend, progress,
+def _dry_run(model, loss_fn, pp, dp, cp, tp, m, tokens, split_points, optimizer, optimizer_kwargs, backend, progress,
              options) -> list[Role]:
     from gradsched.parallel import ParallelModel
     from gradsched.plan import ParallelPlan
     from gradsched.training.optimizer import DistributedOptimizer
-    sizes = ParallelPlan(pp=pp, dp=dp, cp=cp)  # the layout alone: the rank arithmetic, no groups
+    sizes = ParallelPlan(pp=pp, dp=dp, cp=cp, tp=tp)  # the layout alone: the rank arithmetic, no groups
     world = sizes.world
     roles, built, sent, pipe = [], [], [], None
     try:
@@ -112,7 +112,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
             torch._dynamo.reset()  # each role compiles its own graphs, as its process would
             rank = sizes.rank_of(stage, 0, 0)  # dp 0, cp 0 of the stage
             fake_world(rank, world)
-            plan = ParallelPlan.from_world(pp=pp, dp=dp, cp=cp)
+            plan = ParallelPlan.from_world(pp=pp, dp=dp, cp=cp, tp=tp)
             pm = ParallelModel(model, plan, loss_fn, split_points=split_points, **options)
             x, y = pm._shard_sequence(tokens, tokens)
             chunks = [tuple(t.chunk(m)[i] for t in x) for i in range(m)]
@@ -123,7 +123,7 @@ def _dry_run(model, loss_fn, pp, dp, cp, m, tokens, split_points, optimizer, opt
                     sent = stage_outputs(pipe[0], chunks, pm.num_stages) if several else sent
                 pm.compile_split(pipe)
             opt = DistributedOptimizer(pm, optimizer, **(optimizer_kwargs or {"lr": 1e-4}))
-            n = sizes.stage_replicas
+            n = sizes.stage_replicas * tp  # the stage's ranks, contiguous: its TP shards are equal in shape
             role = Role(stage, f"{rank}-{rank + n - 1}" if n > 1 else str(rank))
             local = list(pm.local) if several else [stage]
             last = pm.num_stages - 1 if several else pp - 1
@@ -182,6 +182,8 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--dp", type=int, default=1)
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1, help="tensor parallelism: each layer's matrices split over tp "
+                    "ranks (the fastest dimension, inside a node), with sequence parallelism between them")
     ap.add_argument("--shard", default="params", choices=("params", "true", "false"),
                     help="params: ZeRO-3; true: distributed optimizer; false: all-reduce")
     ap.add_argument("--seq", type=int, default=8192, help="tokens per sequence (split over cp)")
@@ -247,8 +249,9 @@ def main(argv=None) -> int:
     if stages > args.pp and shard == "params":
         raise SystemExit(f"--schedule {schedule} holds two stages a rank, which does not run with --shard params yet: "
                          "price it with --shard true (or false), or price zb1p or 1f1b with --shard params.")
+    layout = f"pp={args.pp} x dp={args.dp} x cp={args.cp}" + (f" x tp={args.tp}" if args.tp > 1 else "")
     print(f"dry run: {name} ({count(sum(p.numel() for p in model.parameters()))} parameters, "
-          f"{args.dtype}), pp={args.pp} x dp={args.dp} x cp={args.cp} = {args.pp * args.dp * args.cp} ranks, "
+          f"{args.dtype}), {layout} = {args.pp * args.dp * args.cp * args.tp} ranks, "
           f"shard={shard!r}, {f'{schedule} schedule, ' if args.pp > 1 else ''}"
           f"{m} micro-batch{'es' if m > 1 else ''} of "
           f"{(args.batch or m) // m} x {args.seq} tokens, priced as {args.device}"
@@ -256,7 +259,7 @@ def main(argv=None) -> int:
              "workspaces)" if args.device == "cuda" else ""), flush=True)
     t0 = time.perf_counter()
     backend = "nccl" if args.device == "cuda" else "gloo"
-    roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, batch=args.batch or m, seq=args.seq,
+    roles = dry_run(model, _lm_loss, pp=args.pp, dp=args.dp, cp=args.cp, tp=args.tp, batch=args.batch or m, seq=args.seq,
                     split_points=split_points or (), shard=shard, device=args.device, backend=backend,
                     microbatches=m, schedule=schedule, bucket_mb=args.bucket_mb,
                     progress=lambda s: print(s, flush=True))
@@ -266,13 +269,13 @@ def main(argv=None) -> int:
           f"({'pipeline rank' if roles[0].stages else 'stage'} {max(roles, key=lambda r: r.peak).stage})")
     if args.plot:
         from gradsched.sizing.plot import plot_roles
-        plot_roles(roles, args.plot, parse_bytes(args.device_memory), f"{name}: pp={args.pp} x dp={args.dp} x cp={args.cp}, "
+        plot_roles(roles, args.plot, parse_bytes(args.device_memory), f"{name}: {layout}, "
                    f"shard={shard!r}, {m} micro-batches, {args.seq} tokens, priced as {args.device}")
     if args.json:
         with open(args.json, "w") as f:
             for r in roles:
                 f.write(json.dumps({"bench": "dryrun", "model": name, "pp": args.pp, "dp": args.dp,
-                                    "cp": args.cp, "shard": args.shard, "seq": args.seq, "microbatches": m,
+                                    "cp": args.cp, "tp": args.tp, "shard": args.shard, "seq": args.seq, "microbatches": m,
                                     "schedule": schedule if args.pp > 1 else None, "dtype": args.dtype,
                                     **dataclasses.asdict(r)}) + "\n")
     return 0

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from .tp_layouts import (BODIES, FULL, PARTIAL, REPLICATED, Layout, Partition, Seq, Shard, TensorParallelError, check_divisible, local_shape,
                          normalize_dim, take_chunk)
-from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, SDPA, VIEWS, find_roles, is_linear, is_op, is_param,
+from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, VIEWS, find_roles, is_linear, is_op, is_sdpa, is_param,
                        is_pointwise, linear_parts, segments_of, set_linear_parts, where)
 from .tp_heads import Heads
 from .tp_shape_ops import ShapeOps, propagate_local_values
@@ -277,7 +277,7 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
         if not split:
             self.lay[node] = FULL
             return
-        if is_op(node, SDPA):
+        if is_sdpa(node):
             return self._attention(node)
         if is_op(node, (F.cross_entropy,)) and self.spec.cross_entropy is not None:
             return self._cross_entropy(node)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from .tp_layouts import FULL, TensorParallelError
-from .tp_roles import SDPA, is_op, where
+from .tp_roles import is_op, is_sdpa, where
 
 
 class Checks:
@@ -20,7 +20,7 @@ class Checks:
             p = node.kwargs.get("p", node.args[1] if len(node.args) > 1 else 0.5)
             if not node.kwargs.get("training", node.args[2] if len(node.args) > 2 else True):
                 p = 0
-        elif is_op(node, SDPA):
+        elif is_sdpa(node):
             p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
         if p and any(self._l(a).split for a in node.all_input_nodes):
             raise TensorParallelError(f"the dropout at {where(node)} (p={p}) would draw the same random numbers on "

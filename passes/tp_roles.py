@@ -48,6 +48,13 @@ def is_op(n, fns=(), methods=()) -> bool:
                                        (n.op == "call_method" and n.target in methods))
 
 
+def is_sdpa(n) -> bool:
+    """F.scaled_dot_product_attention, or a function standing in for it that says so (computes_sdpa: the same
+    arguments and results, e.g. the dry run's device-priced kernels)."""
+    return is_op(n, SDPA) or (isinstance(n, fx.Node) and n.op == "call_function"
+                              and getattr(n.target, "computes_sdpa", False))
+
+
 def is_linear(n) -> bool:
     """F.linear(x, w, b), or torch.addmm(b, x, w) with a parameter w (GPT-2's Conv1D)."""
     return is_op(n, LINEAR) or (is_op(n, (torch.addmm,)) and len(n.args) == 3 and is_param(n.args[2]))
@@ -83,7 +90,7 @@ def linears_above(x: fx.Node) -> set:
         seen.add(n)
         if is_linear(n):
             found.add(n)
-        elif not is_op(n, SDPA) and n.op != "placeholder":
+        elif not is_sdpa(n) and n.op != "placeholder":
             todo.extend(n.all_input_nodes)
     return found
 
@@ -139,7 +146,7 @@ def find_roles(graph: fx.Graph, params: dict, tp: int, heads: bool = True) -> di
     replicated). A key/value projection with fewer heads than tp can split stays replicated: each rank
     then takes the heads its queries read (GQA)."""
     roles = {}
-    for att in [n for n in graph.nodes if is_op(n, SDPA)]:
+    for att in [n for n in graph.nodes if is_sdpa(n)]:
         head_dim = fake_value(att.args[0]).shape[-1]
         for x in att.args[:3]:
             for lin in linears_above(x):

@@ -8,6 +8,8 @@ the same computation spelled as the torch-level call (argument order and default
 assertions (`aten._assert_tensor_metadata`, written for a `.to(dtype)`) have no torch-level spelling and no
 users: they are dropped, as Dynamo's graph never holds them (and a shard's sizes are not the traced ones);
 `aten.alias` (a view of the whole tensor, which export writes where a stage returns its input) is its input.
+A fused attention kernel (flash, memory-efficient, CPU flash) whose output alone is read becomes a function of
+SDPA's arguments running that kernel (FUSED_ATTENTION), split by heads as SDPA is.
 
 Invariant: every rewritten node computes what it computed (same op, same arguments, its meta kept, so its
 `example_value` stays right); a call it does not know is left as it is, and the tensor-parallel pass refuses
@@ -145,6 +147,60 @@ SPELLINGS = {
 }
 
 
+# The fused attention kernels SDPA dispatches to (a graph traced on meta holds them where the caller chose the
+# kernel, as the dry run does to price a device): spelled as a function of SDPA's arguments that runs the same
+# kernel and returns its output, which the tensor-parallel pass splits by heads as it splits SDPA.
+def flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+
+
+def efficient_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, compute_log_sumexp=True):
+    return aten._scaled_dot_product_efficient_attention(q, k, v, attn_mask, compute_log_sumexp, dropout_p, is_causal,
+                                                        scale=scale)[0]
+
+
+def cpu_flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None):
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
+                                                            scale=scale)[0]
+
+
+for _fn in (flash_attention, efficient_attention, cpu_flash_attention):
+    _fn.computes_sdpa = True  # passes/tp_roles.is_sdpa
+
+FUSED_ATTENTION = {
+    aten._scaled_dot_product_flash_attention.default: lambda a, k: (
+        flash_attention, (*a[:3],), {"dropout_p": _arg(a, k, 3, "dropout_p", 0.0),
+                                     "is_causal": _arg(a, k, 4, "is_causal", False), "scale": k.get("scale")})
+    if not _arg(a, k, 5, "return_debug_mask", False) else None,
+    aten._scaled_dot_product_efficient_attention.default: lambda a, k: (
+        efficient_attention, (*a[:3], a[3]), {"compute_log_sumexp": a[4], "dropout_p": _arg(a, k, 5, "dropout_p", 0.0),
+                                              "is_causal": _arg(a, k, 6, "is_causal", False), "scale": k.get("scale")}),
+    aten._scaled_dot_product_flash_attention_for_cpu.default: lambda a, k: (
+        cpu_flash_attention, (*a[:3], k.get("attn_mask")), {"dropout_p": _arg(a, k, 3, "dropout_p", 0.0),
+                                                          "is_causal": _arg(a, k, 4, "is_causal", False),
+                                                          "scale": k.get("scale")}),
+}
+
+
+def _fused_attention(n: fx.Node) -> bool:
+    """A fused kernel whose output alone is read, respelled in place (see FUSED_ATTENTION)."""
+    spell = FUSED_ATTENTION.get(n.target)
+    users = list(n.users)
+    if spell is None or not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+        return False
+    new = spell(list(n.args), dict(n.kwargs))
+    if new is None:
+        return False
+    n.target, n.args, n.kwargs = new
+    for key in ("val", "example_value"):
+        if isinstance(n.meta.get(key), (tuple, list)):
+            n.meta[key] = n.meta[key][0]
+    for u in users:
+        u.replace_all_uses_with(n)
+        n.graph.erase_node(u)
+    return True
+
+
 def torch_level(gm: fx.GraphModule, spec=None):
     """The pass (see the module docstring): (gm rewritten in place, how many calls were respelled)."""
     count = 0
@@ -156,6 +212,9 @@ def torch_level(gm: fx.GraphModule, spec=None):
         if n.op == "call_function" and n.target is aten.alias.default:
             n.replace_all_uses_with(n.args[0])
             gm.graph.erase_node(n)
+            count += 1
+            continue
+        if n.op == "call_function" and _fused_attention(n):
             count += 1
             continue
         spell = SPELLINGS.get(n.target) if n.op == "call_function" else None

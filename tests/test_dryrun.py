@@ -35,14 +35,15 @@ def meta_model():
         return TinyGPT(CONFIG)
 
 
-def measured_peak(shard, dp, batch) -> int:
+def measured_peak(shard, dp, batch, tp=1) -> int:
     """Rank 0's peak bytes over its third step (state held at its start + the allocator's highest
-    running total above that), trained for real on CPU in a fake world of dp ranks."""
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp)
+    running total above that), trained for real on CPU in a fake world of dp x tp ranks."""
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=dp * tp)
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = gradsched.parallelize(TinyGPT(CONFIG), plan=gradsched.ParallelPlan.from_world(dp=dp), loss_fn=lm_loss,
+        plan = gradsched.ParallelPlan.from_world(dp=dp, tp=tp)
+        model = gradsched.parallelize(TinyGPT(CONFIG), plan=plan, loss_fn=lm_loss,
                                       compiler="eager", shard=shard, check_ranks=False, **OPTIONS)
         opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
         x, y = make_batch(batch, CONFIG)
@@ -66,11 +67,12 @@ def measured_peak(shard, dp, batch) -> int:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("shard", ["params", True], ids=["params", "optimizer"])
-def test_the_predicted_peak_is_within_ten_percent_of_what_the_allocator_counts(shard):
-    (role,) = dry_run(meta_model(), lm_loss, pp=1, dp=4, cp=1, batch=2, seq=CONFIG.seq, backend="fake",
+@pytest.mark.parametrize("shard,dp,tp", [("params", 4, 1), (True, 4, 1), ("params", 2, 2)],
+                         ids=["params", "optimizer", "params-tp2"])
+def test_the_predicted_peak_is_within_ten_percent_of_what_the_allocator_counts(shard, dp, tp):
+    (role,) = dry_run(meta_model(), lm_loss, pp=1, dp=dp, cp=1, tp=tp, batch=2, seq=CONFIG.seq, backend="fake",
                       progress=lambda s: None, shard=shard, **OPTIONS)
-    measured = measured_peak(shard, dp=4, batch=2)
+    measured = measured_peak(shard, dp=dp, batch=2, tp=tp)
     assert abs(role.peak - measured) <= 0.10 * measured, (role.peak, measured)
 
 
@@ -227,6 +229,32 @@ def test_a_hugging_face_config_file_is_dry_run_and_its_state_is_the_hand_count(t
         assert role["params"] == 4 * numel and role["grads"] == 4 * numel  # fp32, whole under shard=False
         assert role["optimizer"] >= 8 * numel  # AdamW's two moments (and its step counters)
         assert "1 tie(s) proven" in role["verdict"]
+
+
+def test_a_tensor_parallel_plan_holds_each_tp_shard_and_proves_every_tp_reduction(tmp_path):
+    """--tp 2 at pp 2: each rank holds half of every matrix (the vocab-parallel embedding, its tied head's copy,
+    q/k/v with their biases, o, the MLP) and every norm whole; the tie and every TP reduction are proven."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(QWEN2))
+    roles = _roles(["--config", str(path), "--tp", "2", "--pp", "2", "--dp", "2", "--seq", "32", "--shard", "false",
+                    "--dtype", "float32"], tmp_path)
+    h = QWEN2["hidden_size"]
+    norms = [2 * h, 2 * h + h]  # each layer's two norms; the last stage's final norm
+    assert [r["ranks"] for r in roles] == ["0-3", "4-7"] and all(r["tp"] == 2 for r in roles)
+    for role, numel, whole in zip(roles, qwen2_stage_numels(QWEN2), norms):
+        assert role["params"] == 4 * ((numel - whole) // 2 + whole), role["params"]
+        assert "1 tie(s) proven" in role["verdict"] and "HAZARD" not in role["verdict"], role["verdict"]
+        assert "tensor parallel: ok" in role["verdict"], role["verdict"]
+        assert role["collectives"]["all_gather_into_tensor over tp"] > 0  # sequence parallelism's gathers
+        assert role["collectives"]["reduce_scatter_tensor over tp"] > 0
+
+
+def test_tensor_parallelism_with_context_parallelism_is_refused_before_anything_is_built(capsys):
+    from gradsched.dryrun import main
+    with pytest.raises(SystemExit):
+        main(["--model", "llama-tiny", "--tp", "2", "--cp", "2"])
+    assert "--tp 2 with --cp 2" in capsys.readouterr().err
 
 
 def test_a_users_module_factory_is_dry_run_with_its_own_split_points_and_plotted(tmp_path):

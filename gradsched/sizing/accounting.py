@@ -1,7 +1,12 @@
 """The dry run's accounting of one role: what a rank holds, its collectives by group, the verifier's verdict."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from gradsched.training.live_bytes import storage_bytes
+
+if TYPE_CHECKING:
+    from gradsched.sizing.roles import Role
 
 
 def held_bytes(pm, opt) -> int:
@@ -29,7 +34,9 @@ def account(role: Role, pm, opt) -> None:
 
 
 def by_group(tally: dict, plan, pm) -> dict:
-    names = {plan.process_group(k).group_name: k for k in ("grad", "dp", "cp", "pp")}
+    import torch.distributed as dist
+    kinds = ("grad", "dp", "cp", "pp") + (("tp", "stage") if plan.tp > 1 else ())
+    names = {dist.group.WORLD.group_name: "world", **{plan.process_group(k).group_name: k for k in kinds}}
     for key, g in pm.grad_sync.setup.tie_groups.items():
         names[g.name] = f"tie {key}"
     out = {}
@@ -62,4 +69,10 @@ def verdict(sync, built) -> str:
             lines.append(f"{sg.where} graph: HAZARD: " + " ".join(v.hazards))
         else:
             lines.append(f"{sg.where} graph: ok, " + (f"{len(v.proofs)} tie(s) proven" if checks else "no ties"))
+    proof = getattr(sync.built, "tp_proof", None)  # tp > 1: every parameter's TP reduction, from the backward
+    if proof is not None:
+        never = sum(1 for _, how in proof.proved if how == "never summed")
+        lines.append(f"tensor parallel: HAZARD: {'; '.join(proof.hazards)}" if not proof.ok else
+                     f"tensor parallel: ok, {len(proof.proved)} parameters proven ({never} TP shards never summed "
+                     f"over tp, {len(proof.proved) - never} replicated summed once)")
     return "; ".join(lines)

@@ -54,10 +54,12 @@ def priced_as(device: str):
         raise ValueError(f"attention can be priced as one of {DEVICES}, not {device!r}")
     original = F.scaled_dot_product_attention
 
+    @torch._dynamo.allow_in_graph  # one node in the graph, so that tensor parallelism splits it by heads as SDPA
     def sdpa(query, key, value, *args, **kwargs):
         if not query.is_meta:
             return original(query, key, value, *args, **kwargs)
         return _attention(device, query, key, value, *args, **kwargs)
+    sdpa.computes_sdpa = True  # passes/tp_roles.is_sdpa: SDPA's arguments and results
 
     F.scaled_dot_product_attention = sdpa
     try:

@@ -63,8 +63,9 @@ def stage_args(pipe, stage: int, sent: list, i: int) -> tuple:
 
 def like(shape, dtype, device, requires_grad):
     """What a later stage receives: a fresh tensor of an output's shape; torch's pipeline stage asks for a
-    gradient of every floating-point one."""
-    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point)
+    gradient of each floating-point one the model computed with one (not, e.g., rotary embeddings computed
+    under no_grad)."""
+    return torch.empty(shape, dtype=dtype, device=device).requires_grad_(dtype.is_floating_point and requires_grad)
 
 
 def nbytes(shape, dtype, device, requires_grad) -> int:
@@ -116,9 +117,9 @@ def stage_outputs(pipe, chunks: list, num_stages: int) -> list:
     sent = []
     for s in range(num_stages):
         ins = chunks[0] if s == 0 else stage_args(pipe, s, sent, 0)
-        with torch.no_grad():
-            out = pipe.get_stage_module(s)(*ins)
-        leaves = [like(t.shape, t.dtype, t.device, True) for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        out = pipe.get_stage_module(s)(*ins)  # meta: nothing is computed, and requires_grad is the model's
+        leaves = [like(t.shape, t.dtype, t.device, t.requires_grad) for t in tree_leaves(out)
+                  if isinstance(t, torch.Tensor)]
         sent.append([leaves] * len(chunks))
     return sent
 
