@@ -209,6 +209,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top", type=int, default=10, help="--fit: plans listed")
     ap.add_argument("--flops", type=float, default=4e14, help="--fit: a rank's FLOP/s, for the ranking")
     ap.add_argument("--bandwidth", type=float, default=5e10, help="--fit: a rank's bytes/s on the wire")
+    ap.add_argument("--tp-bandwidth", type=float, default=4.5e11, help="--fit: a rank's bytes/s inside its node "
+                    "(tensor parallelism's collectives; NVLink on an H100 node)")
+    ap.add_argument("--max-tp", type=int, default=8, help="--fit: the largest tp tried (a node's GPUs); 1: none")
     ap.add_argument("--jobs", type=int, default=min(8, len(os.sched_getaffinity(0))),
                     help="--fit: probes measured at once, each in a process of its own (one core each)")
     args = ap.parse_args(argv)
@@ -299,7 +302,7 @@ class Cut:
 @dataclasses.dataclass(frozen=True)
 class Probe:
     """gradsched.sizing.fit's measure: build(layers, checkpointing) -> (model on meta, layers); each call dry-runs
-    two stages of `layers` each (micro-batches of `seqs` sequences, one unless said), and returns for both stages
+    two stages of `layers` each (micro-batches of `seqs` sequences, one unless said; at tp), and returns for both stages
     (saved, the rest of the transient, accumulating, final_backward, stash): what the first forward left alive, the
     most the step held above that, the backwards' peaks above their micro-batches in flight, and under zb1p what
     a B kept for its W (Role). Plain data (with a `build` that pickles, e.g. Cut): it runs in other processes."""
@@ -309,8 +312,8 @@ class Probe:
     backend: str
     options: dict
 
-    def __call__(self, layers, seqs, cp, checkpointing, shard, microbatches=1, schedule="auto"):
-        roles = dry_run(self.build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp,
+    def __call__(self, layers, seqs, cp, checkpointing, shard, microbatches=1, schedule="auto", tp=1):
+        roles = dry_run(self.build(2 * layers, checkpointing)[0], _lm_loss, pp=2, dp=2, cp=cp, tp=tp,
                         batch=seqs * microbatches, seq=self.seq, split_points=even_split_points(2 * layers, 2),
                         shard=shard, device=self.device, backend=self.backend, microbatches=microbatches,
                         schedule=schedule, progress=lambda s: None, **self.options)

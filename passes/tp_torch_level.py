@@ -185,8 +185,8 @@ FUSED_ATTENTION = {
 def _fused_attention(n: fx.Node) -> bool:
     """A fused kernel whose output alone is read, respelled in place (see FUSED_ATTENTION)."""
     spell = FUSED_ATTENTION.get(n.target)
-    users = list(n.users)
-    if spell is None or not all(u.target is operator.getitem and u.args[1] == 0 for u in users):
+    users = list(n.users)  # a traced body may take every piece of the tuple, reading only the first
+    if spell is None or not all(u.target is operator.getitem and (u.args[1] == 0 or not u.users) for u in users):
         return False
     new = spell(list(n.args), dict(n.kwargs))
     if new is None:
@@ -196,13 +196,20 @@ def _fused_attention(n: fx.Node) -> bool:
         if isinstance(n.meta.get(key), (tuple, list)):
             n.meta[key] = n.meta[key][0]
     for u in users:
-        u.replace_all_uses_with(n)
+        if u.args[1] == 0:
+            u.replace_all_uses_with(n)
         n.graph.erase_node(u)
     return True
 
 
 def torch_level(gm: fx.GraphModule, spec=None):
-    """The pass (see the module docstring): (gm rewritten in place, how many calls were respelled)."""
+    """The pass (see the module docstring): (gm rewritten in place, how many calls were respelled), the bodies
+    of its higher-order ops (an activation-checkpointed layer's) included."""
+    count = sum(_respell(m) for m in gm.modules() if isinstance(m, fx.GraphModule))
+    return gm, count
+
+
+def _respell(gm: fx.GraphModule) -> int:
     count = 0
     for n in list(gm.graph.nodes):
         if n.op == "call_function" and n.target is aten._assert_tensor_metadata.default and not n.users:
@@ -226,4 +233,4 @@ def torch_level(gm: fx.GraphModule, spec=None):
     if count:
         gm.graph.lint()
         gm.recompile()
-    return gm, count
+    return count

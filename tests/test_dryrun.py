@@ -232,13 +232,14 @@ def test_a_hugging_face_config_file_is_dry_run_and_its_state_is_the_hand_count(t
 
 
 def test_a_tensor_parallel_plan_holds_each_tp_shard_and_proves_every_tp_reduction(tmp_path):
-    """--tp 2 at pp 2: each rank holds half of every matrix (the vocab-parallel embedding, its tied head's copy,
-    q/k/v with their biases, o, the MLP) and every norm whole; the tie and every TP reduction are proven."""
+    """--tp 2 at pp 2, layers checkpointed: each rank holds half of every matrix (the vocab-parallel embedding,
+    its tied head's copy, q/k/v with their biases, o, the MLP) and every norm whole; the tie and every TP
+    reduction are proven."""
     pytest.importorskip("transformers")
     path = tmp_path / "config.json"
     path.write_text(json.dumps(QWEN2))
     roles = _roles(["--config", str(path), "--tp", "2", "--pp", "2", "--dp", "2", "--seq", "32", "--shard", "false",
-                    "--dtype", "float32"], tmp_path)
+                    "--dtype", "float32", "--checkpointing"], tmp_path)
     h = QWEN2["hidden_size"]
     norms = [2 * h, 2 * h + h]  # each layer's two norms; the last stage's final norm
     assert [r["ranks"] for r in roles] == ["0-3", "4-7"] and all(r["tp"] == 2 for r in roles)
@@ -331,13 +332,16 @@ def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():
     # Two shard modes: the default (shard=True) at pp 1, and shard="params" checkpointed under zb1p at pp 4, priced
     # beyond its pp-2 probes (12 probes). A third, "params" unchecked under 1F1B at pp 2, cost the suite ~45 s more;
     # 1F1B's micro-batches in flight are checked by test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state
-    cands = [fit.Candidate(1, 4, 1, True, 1, False), fit.Candidate(4, 1, 1, "params", 4, True, "zb1p")]
+    # and tp 2 at pp 1: each TP rank's shards, its activations from probes at tp 2 (6 probes)
+    cands = [fit.Candidate(1, 4, 1, True, 1, False), fit.Candidate(4, 1, 1, "params", 4, True, "zb1p"),
+             fit.Candidate(1, 2, 1, True, 1, False, tp=2)]
     # two probes at once: each a process of its own (as the command line's --jobs)
     priced = fit_probes.search(shape, cands, probe(build, seq, "cpu", "gloo"), seq, batch, 2**40, 0, 1e12, 1e9,
                                progress=lambda s: None, jobs=2)
     for p in priced:
         c = p.candidate
-        roles = dry_run(build(None, c.checkpointing)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, batch=batch // c.dp,
+        roles = dry_run(build(None, c.checkpointing)[0], _lm_loss, pp=c.pp, dp=c.dp, cp=c.cp, tp=c.tp,
+                        batch=batch // c.dp,
                         seq=seq, split_points=even_split_points(layers, c.pp), shard=c.shard, device="cpu",
                         backend="gloo", microbatches=c.microbatches, schedule=c.schedule, progress=lambda s: None)
         worst = max(roles, key=lambda r: r.peak)
@@ -370,6 +374,13 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert fit.state_bytes(1000, True, 4, 2) == 1000 * 2 + 1000 * (2 + 4 + 8) // 4
     assert fit.state_bytes(1000, "params", 4, 4) == 1000 * (4 + 4 + 8) // 4  # a fp32 shard is its own master
     assert fit.stage_layers(80, 8) == [10] * 8 and fit.stage_layers(5, 2) == [2, 3]
+    # a TP rank holds its half of every matrix (the embedding and head too) and the norms whole
+    tp_shape = fit.ModelShape(layers=2, hidden=1, kv_dim=1, vocab=1, layer_params=100, first_params=50, last_params=50,
+                              tied=False, dtype_bytes=2, layer_replicated=4, last_replicated=2)
+    tp_fits = {(False, False, False): (end, end)}
+    at = lambda tp: fit.price(fit.Candidate(1, 1, 1, False, 1, False, tp=tp), tp_shape, tp_fits, 1, 1, 2**40, 0, 1,  # noqa
+                              1).state
+    assert at(1) == fit.state_bytes(300, False, 1, 2) and at(2) == fit.state_bytes((300 - 10) // 2 + 10, False, 1, 2)
     from gradsched.hf import llama
     cut, n = llama("llama-tiny", torch.bfloat16, layers=2)  # what the probes build
     assert n == 2 and len(cut.model.model.layers) == 2
@@ -379,6 +390,13 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert {c.schedule for c in cands if c.pp == 1} == {"1f1b"}
     assert all(c.pp > 1 and c.microbatches >= c.pp for c in cands if c.schedule == "zb1p")
     assert {c.schedule for c in cands if c.pp > 1} == {"1f1b", "zb1p"}
+    with_tp = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16, tps=(1, 2, 4))
+    assert all(c.pp * c.dp * c.cp * c.tp == 16 for c in with_tp) and {c.tp for c in with_tp} == {1, 2, 4}
+    assert all(c.cp == 1 for c in with_tp if c.tp > 1)  # tp x cp does not compose yet: never a candidate
+    gqa = fit.ModelShape(layers=2, hidden=64, kv_dim=32, vocab=256, layer_params=0, first_params=0, last_params=0,
+                         tied=False, dtype_bytes=2, heads=8, kv_heads=2)
+    assert fit.tp_sizes(gqa) == (1, 2, 4, 8)  # at tp 4 and 8 each rank reads one key/value head
+    assert fit.tp_sizes(dataclasses.replace(gqa, heads=6, kv_heads=6)) == (1, 2)
     only = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16, schedules=("zb1p",))
     assert {c.pp for c in only} == {1, 2, 4} and {c.schedule for c in only if c.pp > 1} == {"zb1p"}
     # in flight when a backward starts, from torch's orders, as (forwards not yet backward-ed, B's not yet W-ed):

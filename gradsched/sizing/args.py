@@ -8,7 +8,7 @@ import os
 
 from gradsched.sizing.dryrun_text import parse_bytes
 
-POSITIVE = ("pp", "dp", "cp", "tp", "seq", "batch", "microbatches", "gpus", "global_batch", "top", "jobs")
+POSITIVE = ("pp", "dp", "cp", "tp", "max_tp", "seq", "batch", "microbatches", "gpus", "global_batch", "top", "jobs")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -47,6 +47,10 @@ The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes
             backward (shard="params"); a tie's all-reduce (2 x the tied weight, pp > 1); the activations
             and their gradients between stages; the ring's K and V (cp - 1 steps a layer, forward and twice
             in the backward)
+  tp      the state of each TP rank: its shard of every matrix (embedding and head vocab-parallel), the norms
+          whole; the activations from probes at that tp (sequence parallelism keeps most of them 1/tp); compute
+          1/tp of the stage's; plus sequence parallelism's collectives (`_tp_bytes`) over the node's bandwidth
+          (--tp-bandwidth). tp with cp > 1 is not a candidate (the two do not compose yet).
 No overlap of communication with compute is assumed: an upper bound, comparable between candidates.
 """
 from __future__ import annotations
@@ -67,6 +71,7 @@ class Candidate:
     microbatches: int
     checkpointing: bool
     schedule: str = "1f1b"  # or "zb1p" (pp > 1): each backward as B and W, W in the bubble
+    tp: int = 1  # tensor parallelism (with sequence parallelism): the fastest dimension, inside a node
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,10 @@ class ModelShape:
     last_params: int  # the head (a copy of a tied embedding under pp > 1) and the final norm
     tied: bool
     dtype_bytes: int
+    layer_replicated: int = 0  # of a layer's parameters, those every TP rank holds whole (its norms)
+    last_replicated: int = 0  # the final norm's
+    heads: int = 0
+    kv_heads: int = 0
 
 
 @dataclass
@@ -92,6 +101,7 @@ class Priced:
     bubble: float
     step_s: float
     fits: bool
+    tp_bytes_per_step: int = 0  # of bytes_per_step, sequence parallelism's collectives (inside a node)
 
     def row(self) -> dict:
         return {**asdict(self.candidate), **{k: v for k, v in asdict(self).items() if k != "candidate"}}
@@ -99,18 +109,19 @@ class Priced:
 
 def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int = 8,
                checkpointing=(False, True), max_microbatch_choices: int = 3,
-               schedules=SCHEDULES) -> list[Candidate]:
+               schedules=SCHEDULES, tps=(1,)) -> list[Candidate]:
     """Every layout of `gpus` ranks: pp a power of two up to the layers, cp a power of two up to max_cp that
-    splits the sequence into 2 x cp chunks (load balance), dp the rest dividing the global batch; the
+    splits the sequence into 2 x cp chunks (load balance), tp each of `tps` (with cp 1: the two do not compose
+    yet; `tp_sizes` says which the model's heads allow), dp the rest dividing the global batch; the
     micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them; at pp > 1 each
     of `schedules` that runs with those micro-batches (zb1p: m >= pp, in rounds of equal size); at pp 1 one
     candidate (no pipeline, no schedule)."""
     from gradsched.training.pipeline_schedule import resolve_schedule
     out = []
-    for pp, cp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp)):
-        if gpus % (pp * cp) or seq % (2 * cp):
+    for pp, cp, tp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp), tps):
+        if gpus % (pp * cp * tp) or seq % (2 * cp) or (tp > 1 and cp > 1):
             continue
-        dp = gpus // (pp * cp)
+        dp = gpus // (pp * cp * tp)
         if global_batch % dp:
             continue
         b = global_batch // dp
@@ -120,10 +131,18 @@ def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int 
                 continue
             try:  # "1f1b" as parallelize's "auto": GPipe with fewer micro-batches than stages
                 out.append(Candidate(pp, dp, cp, shard, m, ckpt, "1f1b" if pp == 1 else
-                                     resolve_schedule("auto" if schedule == "1f1b" else schedule, pp, m)))
+                                     resolve_schedule("auto" if schedule == "1f1b" else schedule, pp, m), tp))
             except ValueError:
                 pass  # the schedule does not run m micro-batches at this pp
     return out
+
+
+def tp_sizes(shape: ModelShape, most: int = 8) -> tuple[int, ...]:
+    """The tensor-parallel sizes the fit tries: powers of two up to `most` (a node's GPUs) that divide the query
+    heads, and the key/value heads or are a multiple of them (fewer key/value heads than tp: each rank reads
+    the group its queries use)."""
+    return tuple(t for t in _powers(most) if shape.heads % t == 0 and
+                 (shape.kv_heads % t == 0 or t % shape.kv_heads == 0))
 
 
 def in_flight(stage: int, pp: int, m: int, schedule: str) -> list[tuple[int, int]]:
@@ -219,8 +238,9 @@ def fit_points(t11: float, t21: float, t12: float, t22: float) -> Fitted:
 
 
 def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: int, memory: int, runtime: int,
-          flops: float, bandwidth: float) -> Priced:
-    """A candidate's worst stage and its cost (see the module docstring). `fits`: probe key -> (first, last)."""
+          flops: float, bandwidth: float, tp_bandwidth: float | None = None) -> Priced:
+    """A candidate's worst stage and its cost (see the module docstring). `fits`: probe key -> (first, last), from
+    probes at the candidate's tp; `tp_bandwidth`: a rank's bytes/s inside its node (default `bandwidth`)."""
     from gradsched.training.pipeline_schedule import resolve_schedule  # "1f1b" as "auto" runs it: GPipe if m < pp
     first, last = fits[(c.cp > 1, c.checkpointing, c.shard)]
     g, d, m = c.dp * c.cp, shape.dtype_bytes, c.microbatches
@@ -231,6 +251,8 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
     head = shape.last_params - (shape.vocab * shape.hidden if shape.tied and c.pp == 1 else 0)  # pp 1: one copy
     for s, layers in enumerate(stage_layers(shape.layers, c.pp)):
         params = layers * shape.layer_params + (shape.first_params if s == 0 else 0) + (head if s == c.pp - 1 else 0)
+        whole = layers * shape.layer_replicated + (shape.last_replicated if s == c.pp - 1 else 0)
+        params = (params - whole) // c.tp + whole  # a TP rank's: its shard of every matrix, the norms whole
         held = in_flight(s, c.pp, m, resolve_schedule("auto", c.pp, m) if c.schedule == "1f1b" else c.schedule)
         k = max(f for f, _ in held)
         seqs = u * 2 / c.cp if c.cp > 1 else u  # the probes' sequences holding as many local tokens
@@ -254,15 +276,17 @@ def price(c: Candidate, shape: ModelShape, fits: dict, seq: int, global_batch: i
         if worst is None or peak > worst[0]:
             worst = (peak, s, state, params)
     peak, s, state, _ = worst
-    biggest = max(layers * shape.layer_params for layers in stage_layers(shape.layers, c.pp)) + \
-        max(shape.first_params, shape.last_params)
+    biggest = (max(layers * shape.layer_params for layers in stage_layers(shape.layers, c.pp)) +
+               max(shape.first_params, shape.last_params)) // c.tp
     # W fills the bubble: (pp - 1) x (T_F + T_B - T_W) idle of m x (T_F + T_B + T_W), the three taken equal (a
     # checkpointed B recomputes its forward: twice as long)
     bubble = (c.pp - 1) / (((2 if c.checkpointing else 3) * m if c.schedule == "zb1p" else m) + c.pp - 1)
     compute = (8 if c.checkpointing else 6) * biggest * tokens * m / flops
     moved = _bytes_moved(c, shape, biggest, tokens, boundary)
-    return Priced(c, peak, s, state, moved, round(bubble, 4), compute / (1 - bubble) + moved / bandwidth,
-                  peak <= memory)
+    tp_moved = _tp_bytes(c, shape, tokens)
+    return Priced(c, peak, s, state, moved + tp_moved, round(bubble, 4),
+                  compute / (1 - bubble) + moved / bandwidth + tp_moved / (tp_bandwidth or bandwidth), peak <= memory,
+                  tp_moved)
 
 
 def _backward_peaks(first: End, last: End, s: int, pp: int, layers: int, seqs: float, k: int) -> tuple:
@@ -292,6 +316,21 @@ def _bytes_moved(c: Candidate, shape: ModelShape, params: int, tokens: float, bo
     return int(moved)
 
 
+def _tp_bytes(c: Candidate, shape: ModelShape, tokens: float) -> int:
+    """What sequence parallelism sends a step on the busiest stage (Megatron's count): per layer and micro-batch
+    two all-gathers and two reduce-scatters of the [tokens, hidden] activations forward and their conjugates
+    backward, each (tp - 1) / tp of it; the embedding's reduce-scatter and the head's all-gather, both ways; the
+    replicated parameters' gradients summed over tp once a step."""
+    if c.tp == 1:
+        return 0
+    share, d, m = (c.tp - 1) / c.tp, shape.dtype_bytes, c.microbatches
+    act = share * tokens * shape.hidden * d
+    layers = max(stage_layers(shape.layers, c.pp))
+    ends = 4 * act if c.pp == 1 else 2 * act  # the embedding's and the head's: on one stage only at pp > 1
+    grads = 2 * share * (layers * shape.layer_replicated + shape.last_replicated) * d
+    return int(m * (8 * layers * act + ends) + grads)
+
+
 def model_shape(causal_lm, dtype_bytes: int) -> ModelShape:
     """The parameter counts `price` needs, from a gradsched.hf.CausalLM (a Hugging Face *ForCausalLM)."""
     hf = causal_lm.model
@@ -301,9 +340,13 @@ def model_shape(causal_lm, dtype_bytes: int) -> ModelShape:
     head = hf.get_output_embeddings()
     norm = getattr(body, "norm", None)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    norms = lambda mod: sum(p.numel() for name, m in mod.named_modules() if "norm" in type(m).__name__.lower()  # noqa: E731
+                            for p in m.parameters(recurse=False))
     return ModelShape(layers=c.num_hidden_layers, hidden=c.hidden_size,
                       kv_dim=getattr(c, "num_key_value_heads", c.num_attention_heads) * head_dim,
                       vocab=c.vocab_size, layer_params=count(body.layers[0]),
                       first_params=count(body.embed_tokens),
                       last_params=head.weight.numel() + (count(norm) if norm is not None else 0),
-                      tied=bool(getattr(c, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes)
+                      tied=bool(getattr(c, "tie_word_embeddings", False)), dtype_bytes=dtype_bytes,
+                      layer_replicated=norms(body.layers[0]), last_replicated=norms(norm) if norm is not None else 0,
+                      heads=c.num_attention_heads, kv_heads=getattr(c, "num_key_value_heads", c.num_attention_heads))

@@ -20,11 +20,13 @@ POINTS = ((1, 1), (2, 1), (1, 2), (2, 2))  # (layers a stage, sequences) of the 
 
 
 def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_batch: int, memory: int,
-           runtime: int, flops: float, bandwidth: float, progress=print, jobs: int = 1) -> list[Priced]:
+           runtime: int, flops: float, bandwidth: float, progress=print, jobs: int = 1,
+           tp_bandwidth: float | None = None) -> list[Priced]:
     """Every candidate priced (see the module docstring), those that fit first, cheapest first.
     measure(layers, sequences, cp, checkpointing, shard, microbatches=1, schedule="auto") -> ((saved, rest,
     accumulating, final, stash) of the first stage, of the last) of a two-stage dry run with `layers` a stage and
-    micro-batches of `sequences` (see End; gradsched.dryrun.probe). jobs > 1: the probes run on that many
+    micro-batches of `sequences` (see End; gradsched.dryrun.probe), at `tp=` the candidates' (each tp's
+    candidates fitted from probes at that tp alone). jobs > 1: the probes run on that many
     processes at once (`measure_all`; then `measure` must pickle).
 
     Probes per cp class (cp == 1, cp > 1): shard="params" at the four POINTS, with and without checkpointing
@@ -38,17 +40,20 @@ def search(shape: ModelShape, cands: list[Candidate], measure, seq: int, global_
     model per candidate."""
     # which probes is a matter of the candidates alone (the arithmetic never branches on a measured value):
     # listed by a first pass that measures nothing, measured (at once where jobs > 1), then fitted
+    by_tp = {tp: [c for c in cands if c.tp == tp] for tp in sorted({c.tp for c in cands})}
     wanted: list[tuple] = []
-    fitted(cands, lambda *a, **k: wanted.append(_key(a, k)) or [(0,) * 5] * 2)
+    for tp, group in by_tp.items():
+        fitted(group, lambda *a, tp=tp, **k: wanted.append(_key(a, k, tp)) or [(0,) * 5] * 2)
     got = measure_all(measure, list(dict.fromkeys(wanted)), jobs, progress)
-    fits = fitted(cands, lambda *a, **k: got[_key(a, k)])
-    priced = [price(c, shape, fits, seq, global_batch, memory, runtime, flops, bandwidth) for c in cands]
+    fits = {tp: fitted(group, lambda *a, tp=tp, **k: got[_key(a, k, tp)]) for tp, group in by_tp.items()}
+    priced = [price(c, shape, fits[c.tp], seq, global_batch, memory, runtime, flops, bandwidth, tp_bandwidth)
+              for c in cands]
     return sorted(priced, key=lambda p: (not p.fits, p.step_s))
 
 
-def _key(args: tuple, kwargs: dict) -> tuple:
-    """A probe: (layers, sequences, cp, checkpointing, shard, microbatches, schedule)."""
-    return (*args, kwargs.get("microbatches", 1), kwargs.get("schedule", "auto"))
+def _key(args: tuple, kwargs: dict, tp: int = 1) -> tuple:
+    """A probe: (layers, sequences, cp, checkpointing, shard, microbatches, schedule, tp)."""
+    return (*args, kwargs.get("microbatches", 1), kwargs.get("schedule", "auto"), tp)
 
 
 def measure_all(measure, keys: list[tuple], jobs: int, progress=print) -> dict:
@@ -59,21 +64,22 @@ def measure_all(measure, keys: list[tuple], jobs: int, progress=print) -> dict:
 
     def done(key, result):
         out[key] = result
-        layers, seqs, cp, ckpt, shard, m, schedule = key
+        layers, seqs, cp, ckpt, shard, m, schedule, tp = key
         progress(f"fit: probe {len(out)} of {len(keys)} measured ({layers} layer(s) a stage, {seqs} sequence(s), "
-                 f"cp {cp}, shard={shard!r}{', checkpointing' if ckpt else ''}"
+                 f"cp {cp}{f', tp {tp}' if tp > 1 else ''}, shard={shard!r}{', checkpointing' if ckpt else ''}"
                  f"{f', {m} micro-batches' if m > 1 else ''}{f', {schedule}' if schedule != 'auto' else ''}; "
                  f"{time.perf_counter() - t0:.0f} s so far)")
     if jobs <= 1 or len(keys) <= 1:
         for key in keys:
-            done(key, measure(*key[:5], microbatches=key[5], schedule=key[6]))
+            done(key, measure(*key[:5], microbatches=key[5], schedule=key[6], tp=key[7]))
         return out
     # spawn: a fresh interpreter a worker (a fork of this one would inherit its threads' locks)
     with concurrent.futures.ProcessPoolExecutor(min(jobs, len(keys)), mp_context=multiprocessing.get_context("spawn"),
                                                 initializer=torch_threads, initargs=(1,)) as pool:
         # the largest first (layers x sequences x micro-batches): no long probe left to run alone at the end
         largest = sorted(keys, key=lambda k: -k[0] * k[1] * k[5])
-        futures = {pool.submit(measure, *key[:5], microbatches=key[5], schedule=key[6]): key for key in largest}
+        futures = {pool.submit(measure, *key[:5], microbatches=key[5], schedule=key[6], tp=key[7]): key
+                   for key in largest}
         for f in concurrent.futures.as_completed(futures):
             done(futures[f], f.result())
     return out

@@ -28,23 +28,25 @@ def fit_main(args, probe, build) -> int:
     backend = "nccl" if args.device == "cuda" else "gloo"
     measure = probe(build, args.seq, args.device, backend, bucket_mb=args.bucket_mb)
     cands = fit.candidates(args.gpus, layers, args.seq, batch, checkpointing=(False, True),
-                           schedules=fit.SCHEDULES if args.schedule == "auto" else (args.schedule,))
+                           schedules=fit.SCHEDULES if args.schedule == "auto" else (args.schedule,),
+                           tps=fit.tp_sizes(shape, args.max_tp))
     print(f"fit: {len(cands)} layouts of {args.gpus} ranks, {batch} sequences of {args.seq} tokens a step", flush=True)
     priced = fit_probes.search(shape, cands, measure, args.seq, batch, parse_bytes(args.fit), RUNTIME[backend], args.flops,
-                               args.bandwidth, progress=lambda s: print(s, flush=True), jobs=args.jobs)
+                               args.bandwidth, progress=lambda s: print(s, flush=True), jobs=args.jobs,
+                               tp_bandwidth=args.tp_bandwidth)
     ok = [p for p in priced if p.fits]
     print(f"fit: {len(ok)} of {len(priced)} fit {args.fit} by the estimate ({time.perf_counter() - t0:.0f} s); ranked by "
-          "estimated step time = compute / (1 - bubble) + bytes / bandwidth. An estimate from probes of 1 and 2 layers "
+          "estimated step time = compute / (1 - bubble) + bytes / bandwidth (TP's over the node's). An estimate from probes of 1 and 2 layers "
           "(gradsched.sizing.fit): confirm the plan you pick with a full dry run, e.g.")
     if ok:
         c = ok[0].candidate
         print(f"  python -m gradsched.dryrun {'--config ' + args.config if args.config else '--model ' + args.model} "
-              f"--pp {c.pp} --dp {c.dp} --cp {c.cp} --shard {str(c.shard).lower()} --microbatches {c.microbatches} "
+              f"--pp {c.pp} --dp {c.dp} --cp {c.cp}{f' --tp {c.tp}' if c.tp > 1 else ''} --shard {str(c.shard).lower()} --microbatches {c.microbatches} "
               f"--batch {batch // c.dp} --seq {args.seq}{' --checkpointing' if c.checkpointing else ''}"
               f"{' --schedule ' + c.schedule if c.pp > 1 else ''}")
     for p in ok[:args.top]:
         c = p.candidate
-        print(f"  pp={c.pp} dp={c.dp} cp={c.cp} shard={c.shard!r} microbatches={c.microbatches} "
+        print(f"  pp={c.pp} dp={c.dp} cp={c.cp}{f' tp={c.tp}' if c.tp > 1 else ''} shard={c.shard!r} microbatches={c.microbatches} "
               f"{'schedule=' + c.schedule + ' ' if c.pp > 1 else ''}checkpointing="
               f"{c.checkpointing}: peak {size(p.peak)} (stage {p.stage}), {size(p.bytes_per_step)} sent a step, "
               f"bubble {p.bubble:.2f}, ~{p.step_s:.3g} s a step")
