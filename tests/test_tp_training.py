@@ -12,7 +12,7 @@ import pytest
 
 from gradsched.launch import run_ranks
 from tied_training import abs_diff
-from tp_training_fns import Job, gradient_error, reference, resume_main, training_jobs
+from tp_training_fns import Job, gradient_error, reference, reference_distance, resume_main, training_jobs
 
 EXACT = 1e-12
 PP2 = ("model.blocks.1",)
@@ -22,9 +22,9 @@ JOBS = {
     "tiny_gpt-tp2xdp2-shard-inductor": Job(tp=2, dp=2, shard=True, compiler="inductor"),
     "tiny_gpt-tp2xdp2-params-clipped": Job(tp=2, dp=2, shard="params", clip=0.5),
     "tiny_gpt-tp4-inductor-clipped": Job(tp=4, compiler="inductor", clip=0.5),
-    "hf_llama-tp4-gqa": Job(model="hf_llama", tp=4),
+    "hf_llama-tp4-gqa-inductor": Job(model="hf_llama", tp=4, compiler="inductor"),
     "gradsched_llama-tp4-enable_gqa": Job(model="gradsched_llama", tp=4),
-    "hf_gpt2-tp2xdp2-shard": Job(model="hf_gpt2", tp=2, dp=2, shard=True),
+    "hf_gpt2-tp2xdp2-shard-inductor": Job(model="hf_gpt2", tp=2, dp=2, shard=True, compiler="inductor"),
     "hf_qwen2-tp2xdp2-params": Job(model="hf_qwen2", tp=2, dp=2, shard="params"),
     "tiny_gpt-tp2xpp2-1f1b": Job(tp=2, pp=2, microbatches=2, split=PP2),
     "tiny_gpt-tp2xpp2-zbv-clipped": Job(tp=2, pp=2, schedule="zbv", microbatches=4, split=ZBV, clip=0.5),
@@ -58,36 +58,51 @@ def references():
     return {name: reference(JOBS[name]) for name in TRAINED}
 
 
+@pytest.fixture(scope="module")
+def bounds(references):
+    """How close each job must come to its float64 reference. EXACT, unless the model computes in float32 itself
+    (Hugging Face's Llama and Qwen2 upcast their norms and rotary embeddings to float32) and the job runs
+    Inductor, whose float32 kernels round differently from eager's (cos 6e-8 apart): then twice as far as the
+    unsplit model under Inductor in one process is from it, per quantity: one such rounding on each side."""
+    out = {}
+    for name in TRAINED:
+        job, own = JOBS[name], {k: 0.0 for k in ("losses", "grads", "state", "norms")}
+        if job.compiler == "inductor":
+            own = reference_distance(reference(job, compiled=True), references[name])
+        out[name] = {k: max(EXACT, 2 * v) for k, v in own.items()}
+    return out
+
+
 @pytest.mark.parametrize("name", TRAINED)
-def test_losses_and_step1_gradients_equal_one_float64_process(ranks, references, name):
-    ref, job = references[name], JOBS[name]
+def test_losses_and_step1_gradients_equal_one_float64_process(ranks, references, bounds, name):
+    ref, job, bound = references[name], JOBS[name], bounds[name]
     # the ranks that hold the pipeline's last stage report the loss (every rank at pp 1)
     reported = [r for r in ranks[name] if r["losses"] != [None] * job.steps]
     assert len(reported) == job.tp * job.dp, [r["losses"] for r in ranks[name]]
     for r in reported:
         assert len(r["losses"]) == job.steps
         for got, want in zip(r["losses"], ref["losses"]):
-            assert number_diff(got, want) < EXACT, (name, r["losses"], ref["losses"])
-    assert gradient_error(ref, ranks[name], job.tp) < EXACT
+            assert number_diff(got, want) < bound["losses"], (name, r["losses"], ref["losses"])
+    assert gradient_error(ref, ranks[name], job.tp) < bound["grads"], (name, bound)
 
 
 @pytest.mark.parametrize("name", TRAINED)
-def test_parameters_after_the_steps_equal_one_float64_process(ranks, references, name):
+def test_parameters_after_the_steps_equal_one_float64_process(ranks, references, bounds, name):
     """Every rank's whole parameters (TP shards gathered) after two AdamW steps; float64 masters in every shard
     mode, so no fp32 rounding."""
     ref = references[name]
     for r in ranks[name]:
         assert set(r["state"]) == set(ref["state"])
         worst = max(abs_diff(r["state"][k], v) for k, v in ref["state"].items())
-        assert worst < EXACT, (name, worst)
+        assert worst < bounds[name]["state"], (name, worst, bounds[name])
 
 
 @pytest.mark.parametrize("name", [k for k in TRAINED if JOBS[k].clip])
-def test_clipping_counts_each_tp_shard_and_each_replicated_parameter_once(ranks, references, name):
-    ref = references[name]["norms"]
+def test_clipping_counts_each_tp_shard_and_each_replicated_parameter_once(ranks, references, bounds, name):
+    ref, bound = references[name]["norms"], bounds[name]["norms"]
     for r in ranks[name]:
         assert len(r["norms"]) == len(ref)
-        assert all(number_diff(a, b) < EXACT for a, b in zip(r["norms"], ref)), (r["norms"], ref)
+        assert all(number_diff(a, b) < bound for a, b in zip(r["norms"], ref)), (r["norms"], ref)
 
 
 @pytest.mark.parametrize("name", TRAINED)

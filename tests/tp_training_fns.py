@@ -51,14 +51,16 @@ def batch(job: Job, step: int):
     return make_batch(job.global_batch, GPTConfig(seq=SEQ), seed=10 + step)
 
 
-def reference(job: Job) -> dict:
-    """The job in one process: losses, the first step's gradients and the parameters after the last step."""
+def reference(job: Job, compiled: bool = False) -> dict:
+    """The job in one process, eager (or, compiled=True, under torch.compile(backend="inductor")): losses, the
+    first step's gradients and the parameters after the last step."""
     model = model_of(job)
+    forward = torch.compile(model, backend="inductor") if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses, grads, norms = [], None, []
     for step in range(job.steps):
         x, y = batch(job, step)
-        loss = in_graph_loss(model(x), y)
+        loss = in_graph_loss(forward(x), y)
         loss.backward()
         # every name a parameter has: a stage's copy of a tie is compared with the one Parameter's gradient
         grads = grads or {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -120,6 +122,16 @@ def training_jobs(rank: int, world: int, jobs: list) -> list:
         torch._dynamo.reset()
         out.append(rank_main(rank, world, job))
     return out
+
+
+def reference_distance(a: dict, b: dict) -> dict:
+    """How far two one-process runs of a job are apart: losses, step-1 gradients, parameters, clipping norms."""
+    worst = lambda pairs: max((abs_diff(x, y) for x, y in pairs), default=0.0)  # noqa: E731
+    number = lambda x: torch.tensor(x, dtype=torch.float64)  # noqa: E731  (a float32 tensor would round both alike)
+    return {"losses": worst(zip(map(number, a["losses"]), map(number, b["losses"]))),
+            "grads": worst((a["grads"][k], b["grads"][k]) for k in a["grads"]),
+            "state": worst((a["state"][k], b["state"][k]) for k in a["state"]),
+            "norms": worst(zip(map(number, a["norms"]), map(number, b["norms"])))}
 
 
 def expected_grad(ref: dict, r: dict, name: str, tp: int) -> torch.Tensor:
