@@ -69,6 +69,8 @@ def bounds(references):
         job, own = JOBS[name], {k: 0.0 for k in ("losses", "grads", "state", "norms")}
         if job.compiler == "inductor":
             own = reference_distance(reference(job, compiled=True), references[name])
+            # a NaN or inf there would make every bound infinite: a test that cannot fail
+            assert all(math.isfinite(v) for v in own.values()), (name, own)
         out[name] = {k: max(EXACT, 2 * v) for k, v in own.items()}
     return out
 
