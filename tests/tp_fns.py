@@ -20,10 +20,10 @@ def build(model: str, dtype: torch.dtype):
     torch.manual_seed(0)
     if model in ("tiny_gpt", "tiny_gpt_checkpointed", "tiny_gpt_selective"):  # every block checkpointed, or selectively
         mode = {"tiny_gpt": "", "tiny_gpt_checkpointed": "non_reentrant", "tiny_gpt_selective": "selective"}[model]
-        return TinyGPT(GPTConfig(seq=SEQ, checkpoint=mode)).to(dtype), lambda m, x: m(x)
+        return TinyGPT(GPTConfig(seq=SEQ, checkpoint=mode)).to(dtype), lambda m, x, pos=None: m(x, pos)
     if model == "gradsched_llama":  # through gradsched.hf.CausalLM: its attention is SDPA with enable_gqa
         from gradsched.hf import tiny_llama
-        return tiny_llama(seq=SEQ)[0].to(dtype), lambda m, x: m(x)
+        return tiny_llama(seq=SEQ)[0].to(dtype), lambda m, x, pos=None: m(x, pos)
     import transformers
     if model == "hf_llama":  # GQA: 2 key/value heads for 4 query heads (fewer than tp at tp 4)
         c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -45,7 +45,7 @@ def build(model: str, dtype: torch.dtype):
         m.loss_type = "ForCausalLM"
     else:
         raise ValueError(model)
-    return m.to(dtype), lambda m, x: m(input_ids=x).logits
+    return m.to(dtype), lambda m, x, pos=None: m(input_ids=x, position_ids=pos).logits
 
 
 def _inner(name: str):

@@ -21,6 +21,7 @@ class Job:
     tp: int = 2
     dp: int = 1
     pp: int = 1
+    cp: int = 1
     schedule: str = "1f1b"
     microbatches: int = 1
     split: tuple = ()  # the pipeline's split points (module names), under pp > 1
@@ -39,8 +40,8 @@ class Logits(nn.Module):
         super().__init__()
         self.model, self._forward = model, forward
 
-    def forward(self, tokens):
-        return self._forward(self.model, tokens)
+    def forward(self, tokens, positions=None):  # positions: each CP rank's own (non-contiguous) ones
+        return self._forward(self.model, tokens, positions)
 
 
 def model_of(job: Job) -> nn.Module:
@@ -73,7 +74,7 @@ def reference(job: Job, compiled: bool = False) -> dict:
 
 
 def rank_main(rank: int, world: int, job: Job) -> dict:
-    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp)
+    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp, cp=job.cp)
     pipeline = dict(split_points=job.split, schedule=job.schedule, microbatches=job.microbatches) if job.pp > 1 else {}
     model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
                                   shard=job.shard, **pipeline, **job.options)
@@ -167,7 +168,7 @@ def gradient_error(ref: dict, ranks: list, tp: int) -> float:
 def resume_main(rank: int, world: int, job: Job, save_to: str, load_from: str, stop: int) -> dict:
     """`job`'s layout trains from the start, or from the checkpoint at `load_from`, up to step `stop`, then saves
     to `save_to` ('' : no save). Returns the steps' losses and the state dict after them (TP shards gathered)."""
-    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp)
+    plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp, cp=job.cp)
     pipeline = dict(split_points=job.split, schedule=job.schedule, microbatches=job.microbatches) if job.pp > 1 else {}
     model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
                                   shard=job.shard, **pipeline, **job.options)

@@ -182,7 +182,8 @@ def _attention_backward_op(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
         blind = ~mask.any(-1)
         out, lse = out.masked_fill(blind[..., None], 0.0), lse.masked_fill(blind, 0.0)
     dq, dk, dv = attend_backward(grad.contiguous(), q, kh, vh, out, lse, is_causal, s, add)
-    dk, dv = (reduce_heads(g, k.shape[1], torch.float32).to(k.dtype) for g in (dk, dv))  # GQA sums in fp32
+    dk, dv = (reduce_heads(g, k.shape[1], torch.promote_types(k.dtype, torch.float32)).to(k.dtype)
+              for g in (dk, dv))  # GQA sums in fp32 or wider
     return dq.contiguous(), dk.contiguous(), dv.contiguous()
 
 

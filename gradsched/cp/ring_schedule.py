@@ -51,8 +51,9 @@ def fewest_roundings_default(device_type: str, cp: int, masked: bool = False) ->
 
 
 def acc_dtype(accumulate: str, dtype: torch.dtype) -> torch.dtype:
-    """The dtype block results merge and sum in: the input's with accumulate="input", else fp32."""
-    return dtype if accumulate == "input" else torch.float32
+    """The dtype block results merge and sum in: the input's with accumulate="input", else fp32 or wider (a
+    float64 model keeps float64: rounding it to fp32 would make the ring less exact than one process)."""
+    return dtype if accumulate == "input" else torch.promote_types(dtype, torch.float32)
 
 
 @dataclass(frozen=True)

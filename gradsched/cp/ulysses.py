@@ -92,7 +92,7 @@ class _KVToHeads(torch.autograd.Function):
         cp, group_name, reps, B, H, L, D = ctx.args
         (order,) = ctx.saved_tensors
         h = g.shape[1] // ctx.local_reps
-        g = g.float().view(B, h, ctx.local_reps, cp * L, D).sum(2).index_select(2, order)
+        g = g.to(torch.promote_types(g.dtype, torch.float32)).view(B, h, ctx.local_reps, cp * L, D).sum(2).index_select(2, order)
         if reps == 1:  # no copies on other ranks: round here, travel in the input dtype
             return _heads_to_seq(g.to(ctx.dtype), cp, group_name), None, None, None, None, None
         g = _heads_to_seq(g, cp, group_name).view(B, H, reps, L, D).sum(2)
