@@ -49,7 +49,7 @@ from gradsched.sizing.dryrun_text import count, describe, parse_bytes, size
 from gradsched.sizing.roles import (Role, fake_world, like, nbytes, run_rank_schedule, run_schedule, stage_args,
                                     stage_outputs)
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
-from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule, schedule_order
+from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule
 
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
 

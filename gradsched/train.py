@@ -249,9 +249,6 @@ def check_alone(args, world: int) -> None:
     finds the same, before any connection (a rank that left while its peers were still connecting failed
     them in gloo, and rank 0's line could be lost). The checkpoint's, the model's and the data's checks
     follow in train, before connecting too."""
-    if args.tp > 1 and args.cp > 1:
-        raise Mistake(f"--tp {args.tp} with --cp {args.cp}: tensor parallelism trains over tp x dp x pp so far "
-                      "(context parallelism under it is not built yet); give --cp 1, or --tp 1.")
     dp = plan_sizes(world, args.pp, args.cp, tp=args.tp)
     if args.batch % (dp * args.microbatches):
         raise Mistake(f"--batch {args.batch} must divide into dp={dp} x --microbatches {args.microbatches}.")

@@ -218,10 +218,3 @@ def test_a_tensor_parallel_plan_lays_out_its_groups_and_the_backend_by_name_refu
         assert r["builds"] == "ParallelModel"  # tp x dp (x pp) steps train (tests/test_tp_training.py)
         assert r["backend"] is not None and "tp=2" in r["backend"] and "gradsched.parallelize" in r["backend"], \
             r["backend"]
-
-
-def test_tensor_parallelism_with_context_parallelism_is_refused_by_name_before_any_collective():
-    from gradsched.sync.stage_setup import refuse_tensor_parallel
-    with pytest.raises(ValueError, match=r"tp=2 with cp=2: .*Train with tp x dp x pp, or with cp=1"):
-        refuse_tensor_parallel(gradsched.ParallelPlan(tp=2, cp=2), SyncOptions())
-    refuse_tensor_parallel(gradsched.ParallelPlan(tp=2, pp=2), SyncOptions())  # pipelines under TP train

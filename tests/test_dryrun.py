@@ -392,7 +392,8 @@ def test_fit_arithmetic_recovers_a_bilinear_cost_and_the_shard_modes_state():
     assert {c.schedule for c in cands if c.pp > 1} == {"1f1b", "zb1p"}
     with_tp = fit.candidates(gpus=16, layers=4, seq=64, global_batch=16, tps=(1, 2, 4))
     assert all(c.pp * c.dp * c.cp * c.tp == 16 for c in with_tp) and {c.tp for c in with_tp} == {1, 2, 4}
-    assert all(c.cp == 1 for c in with_tp if c.tp > 1)  # tp x cp does not compose yet: never a candidate
+    assert any(c.cp > 1 and c.tp > 1 for c in with_tp)  # tp x cp: each TP rank's heads over its CP group
+    assert all((64 // c.cp) % c.tp == 0 for c in with_tp)  # sequence parallelism splits each rank's chunk
     gqa = fit.ModelShape(layers=2, hidden=64, kv_dim=32, vocab=256, layer_params=0, first_params=0, last_params=0,
                          tied=False, dtype_bytes=2, heads=8, kv_heads=2)
     assert fit.tp_sizes(gqa) == (1, 2, 4, 8)  # at tp 4 and 8 each rank reads one key/value head

@@ -67,8 +67,8 @@ def test_the_agreement_after_its_first_run_queues_its_check_without_waiting_and_
     from gradsched.sync import agreement_check
     from gradsched.sync.fingerprint import CollectiveMismatch
 
-    monkeypatch.setattr(agreement, "_mismatch", lambda found, *a, **k: f"gathered {found}")  # no peers to name
-    monkeypatch.setattr(agreement, "_READ", {("a group", 1234)})  # as after the digest's first run
+    monkeypatch.setattr(agreement_check, "_mismatch", lambda found, *a, **k: f"gathered {found}")  # no peers to name
+    monkeypatch.setattr(agreement_check, "_READ", {("a group", 1234)})  # as after the digest's first run
     same, differing = torch.tensor([1234, 1234], device="cuda"), torch.tensor([1234, 99], device="cuda")
     with sync_is_an_error():
         zero = torch.ops.gradsched.agree(same, 1234, "a group")

@@ -35,6 +35,11 @@ JOBS = {
     "hf_qwen2-tp2xpp2-zbv-embedding_stage": Job(model="hf_qwen2", tp=2, pp=2, schedule="zbv", microbatches=4, split=(
         "model.model.layers.0", "model.model.layers.1", "model.model.norm"), shard=True, clip=0.5),  # stage 0: the embedding alone
     "hf_llama-tp2xpp2-1f1b": Job(model="hf_llama", tp=2, pp=2, microbatches=2, split=("model.model.layers.1",)),
+    # context parallelism over each TP rank's heads: the ring (its fp32-or-wider sums) and Ulysses
+    "tiny_gpt-tp2xcp2-ring-shard-inductor": Job(tp=2, cp=2, shard=True, compiler="inductor"),
+    "tiny_gpt-tp2xcp2-ulysses-params-clipped": Job(tp=2, cp=2, shard="params", clip=0.5, options={"comm": "a2a"}),
+    "gradsched_llama-tp2xcp2-ring-inductor": Job(model="gradsched_llama", tp=2, cp=2, compiler="inductor"),
+    "gradsched_gpt2-tp2xcp2-ulysses": Job(model="gradsched_gpt2", tp=2, cp=2, options={"comm": "a2a"}),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},
                                            perturb="model.ln_f.weight"),
@@ -80,7 +85,7 @@ def test_losses_and_step1_gradients_equal_one_float64_process(ranks, references,
     ref, job, bound = references[name], JOBS[name], bounds[name]
     # the ranks that hold the pipeline's last stage report the loss (every rank at pp 1)
     reported = [r for r in ranks[name] if r["losses"] != [None] * job.steps]
-    assert len(reported) == job.tp * job.dp, [r["losses"] for r in ranks[name]]
+    assert len(reported) == job.tp * job.dp * job.cp, [r["losses"] for r in ranks[name]]
     for r in reported:
         assert len(r["losses"]) == job.steps
         for got, want in zip(r["losses"], ref["losses"]):
@@ -123,6 +128,20 @@ def test_the_tp_ranks_of_a_stage_shard_the_same_parameters_along_the_same_dims(r
         for stage in {r["stage"] for r in ranks[name]}:
             held = [r["partitions"] for r in ranks[name] if r["stage"] == stage]
             assert held[0] and all(p == held[0] for p in held), (name, stage)
+
+
+HEADS = {"tiny_gpt": (4, 4), "gradsched_llama": (4, 2), "gradsched_gpt2": (4, 4)}  # (query, key/value heads)
+
+
+@pytest.mark.parametrize("name", [k for k in TRAINED if JOBS[k].cp > 1])
+def test_context_parallelism_runs_each_tp_ranks_heads_over_its_cp_group(ranks, name):
+    """Heads split over tp first: every attention call was lowered, with the scheme asked for, over 1/tp of the
+    model's query heads and of its key/value heads."""
+    job = JOBS[name]
+    q, kv = HEADS[job.model]
+    scheme = job.options.get("comm", "ring")
+    for r in ranks[name]:
+        assert r["lowered"] and all(c == (scheme, q // job.tp, kv // job.tp) for c in r["lowered"]), r["lowered"]
 
 
 def test_check_tp_replicas_names_a_replicated_parameter_one_tp_rank_changed(ranks):

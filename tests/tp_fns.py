@@ -24,6 +24,9 @@ def build(model: str, dtype: torch.dtype):
     if model == "gradsched_llama":  # through gradsched.hf.CausalLM: its attention is SDPA with enable_gqa
         from gradsched.hf import tiny_llama
         return tiny_llama(seq=SEQ)[0].to(dtype), lambda m, x, pos=None: m(x, pos)
+    if model == "gradsched_gpt2":  # Hugging Face's GPT-2 through gradsched.hf.CausalLM (positions passed in)
+        from gradsched.hf import tiny_gpt2
+        return tiny_gpt2(seq=SEQ)[0].to(dtype), lambda m, x, pos=None: m(x, pos)
     import transformers
     if model == "hf_llama":  # GQA: 2 key/value heads for 4 query heads (fewer than tp at tp 4)
         c = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

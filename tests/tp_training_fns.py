@@ -112,6 +112,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
                 w.numel() * w.element_size() for n, w in whole.items()
                 if partitions.get(n, (None,))[0] is None and n not in model.model_state.stale_names()),
             "whole_numel": sum(w.numel() for w in whole.values()),
+            # cp > 1: each attention call the ring (or Ulysses) took: (its scheme, this rank's query and KV heads)
+            "lowered": [(a.comm, a.q_heads, a.kv_heads) for rep in model.grad_sync.attention_reports for a in rep.lowered],
             "names": [n for n, _ in model.named_parameters()],
             "trained_numel": sum(p.numel() for _, p in model.named_parameters())}
 

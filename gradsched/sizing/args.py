@@ -31,9 +31,6 @@ def check(ap: argparse.ArgumentParser, args) -> None:
                     raise ValueError
             except ValueError:
                 ap.error(f"{flag} {text}: give a size such as 80GiB, 141GiB, 24GB or 512MiB.")
-    if args.tp > 1 and args.cp > 1:
-        ap.error(f"--tp {args.tp} with --cp {args.cp}: tensor parallelism does not compose with context parallelism "
-                 "yet; price one of them at 1.")
     m = args.microbatches or args.pp
     if args.batch is not None and not args.fit and args.batch % m:
         ap.error(f"--batch {args.batch} does not split into {m} micro-batches (--microbatches, default --pp): "

@@ -50,7 +50,7 @@ The ranking's cost, stated: estimated step time = compute / (1 - bubble) + bytes
   tp      the state of each TP rank: its shard of every matrix (embedding and head vocab-parallel), the norms
           whole; the activations from probes at that tp (sequence parallelism keeps most of them 1/tp); compute
           1/tp of the stage's; plus sequence parallelism's collectives (`_tp_bytes`) over the node's bandwidth
-          (--tp-bandwidth). tp with cp > 1 is not a candidate (the two do not compose yet).
+          (--tp-bandwidth); under cp too, where each TP rank's ring passes its own heads' K and V.
 No overlap of communication with compute is assumed: an upper bound, comparable between candidates.
 """
 from __future__ import annotations
@@ -111,15 +111,15 @@ def candidates(gpus: int, layers: int, seq: int, global_batch: int, max_cp: int 
                checkpointing=(False, True), max_microbatch_choices: int = 3,
                schedules=SCHEDULES, tps=(1,)) -> list[Candidate]:
     """Every layout of `gpus` ranks: pp a power of two up to the layers, cp a power of two up to max_cp that
-    splits the sequence into 2 x cp chunks (load balance), tp each of `tps` (with cp 1: the two do not compose
-    yet; `tp_sizes` says which the model's heads allow), dp the rest dividing the global batch; the
+    splits the sequence into 2 x cp chunks (load balance), tp each of `tps` (`tp_sizes` says which the model's
+    heads allow), dp the rest dividing the global batch; the
     micro-batch counts the fewest that keep every stage busy in 1F1B (m >= pp), a few of them; at pp > 1 each
     of `schedules` that runs with those micro-batches (zb1p: m >= pp, in rounds of equal size); at pp 1 one
     candidate (no pipeline, no schedule)."""
     from gradsched.training.pipeline_schedule import resolve_schedule
     out = []
     for pp, cp, tp in itertools.product(_powers(min(layers, gpus)), _powers(max_cp), tps):
-        if gpus % (pp * cp * tp) or seq % (2 * cp) or (tp > 1 and cp > 1):
+        if gpus % (pp * cp * tp) or seq % (2 * cp) or (seq // cp) % tp:
             continue
         dp = gpus // (pp * cp * tp)
         if global_batch % dp:
@@ -311,7 +311,8 @@ def _bytes_moved(c: Candidate, shape: ModelShape, params: int, tokens: float, bo
     if c.pp > 1:
         moved += 2 * m * boundary
     if c.cp > 1:  # each layer: K and V passed cp - 1 times forward, K, V and their gradients backward
-        kv = tokens * shape.kv_dim * 2 * d
+        # of its TP rank's heads: 1/tp of them, or the one key/value head its queries read (fewer than tp)
+        kv = tokens * shape.kv_dim / (min(c.tp, shape.kv_heads) if shape.kv_heads else c.tp) * 2 * d
         moved += 3 * (c.cp - 1) * kv * m * max(stage_layers(shape.layers, c.pp))
     return int(moved)
 

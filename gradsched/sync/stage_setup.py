@@ -52,20 +52,8 @@ def group(ranks, pg, rank: int) -> Group:
     return Group(pg.group_name, tuple(ranks), list(ranks).index(rank))
 
 
-def refuse_tensor_parallel(plan: ParallelPlan, options: SyncOptions) -> None:
-    """What tensor parallelism does not compose with yet, refused before any collective, on every rank alike."""
-    if plan.tp == 1:
-        return
-    later = [f"{k}={getattr(plan, k)}" for k in ("cp",) if getattr(plan, k) > 1 and False]
-    if later:
-        raise ValueError(f"tp={plan.tp} with {', '.join(later)}: gradsched's tensor parallelism trains "
-                         "over tp x dp x pp so far (context parallelism under TP is not built yet). "
-                         "Train with tp x dp x pp, or with cp=1.")
-
-
 def setup_stage(plan: ParallelPlan, options: SyncOptions, ties: list[Tie] = (), aliases=(),
                 stage: int | None = None) -> StageSetup:
-    refuse_tensor_parallel(plan, options)
     stage = plan.stage if stage is None else stage
     rank = plan.rank
     all_ties = sorted(ties, key=lambda t: t.key)

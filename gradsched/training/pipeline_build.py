@@ -19,7 +19,7 @@ from gradsched.options import SyncOptions
 from gradsched.plan import ParallelPlan
 from gradsched.sync.boundaries import agree_stage_boundaries
 from gradsched.sync.runtime import GradSync
-from gradsched.sync.stage_setup import refuse_tensor_parallel, setup_stage
+from gradsched.sync.stage_setup import setup_stage
 from gradsched.sync.ties import check_one_copy_per_stage, ties_from_override, ties_from_pipe
 from gradsched.training import loss_weights
 from gradsched.training.model_state import ModelState
@@ -45,7 +45,6 @@ class Staging:
 
 def check_options(model: nn.Module, plan: ParallelPlan, options: SyncOptions, staging: Staging, fullgraph: bool) -> None:
     """Refusals that need no trace: before anything is split, compiled or sent."""
-    refuse_tensor_parallel(plan, options)
     if plan.pp > 1 and len(staging.split_points) != staging.num_stages - 1:
         v = staging.stages_per_rank
         raise ValueError(f"pp={plan.pp}{f' x stages_per_rank={v}' * (v > 1)} needs {staging.num_stages - 1} split_points "
