@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import gradsched
-from gradsched.dryrun import dry_run, schedule_order
+from gradsched.dryrun import dry_run
+from gradsched.training.pipeline_schedule import schedule_order
 from gradsched.launch import run_ranks
 from gradsched.training.live_bytes import WORKSPACE
 from tiny_gpt import GPTConfig, TinyGPT, lm_loss, make_batch
