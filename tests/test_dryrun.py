@@ -252,11 +252,15 @@ def test_a_tensor_parallel_plan_holds_each_tp_shard_and_proves_every_tp_reductio
         assert role["collectives"]["reduce_scatter_tensor over tp"] > 0
 
 
-def test_tensor_parallelism_with_context_parallelism_is_refused_before_anything_is_built(capsys):
-    from gradsched.dryrun import main
-    with pytest.raises(SystemExit):
-        main(["--model", "llama-tiny", "--tp", "2", "--cp", "2"])
-    assert "--tp 2 with --cp 2" in capsys.readouterr().err
+def test_tensor_parallelism_with_context_parallelism_is_dry_run_each_tp_ranks_heads_over_its_cp_group(tmp_path):
+    """--tp 2 --cp 2: sequence parallelism's collectives over tp, the attention's over cp, the TP proof in
+    the verdict."""
+    roles = _roles(["--model", "llama-tiny", "--tp", "2", "--cp", "2", "--seq", "256"], tmp_path)
+    (role,) = roles
+    assert (role["tp"], role["cp"]) == (2, 2)
+    assert "tensor parallel: ok" in role["verdict"] and "HAZARD" not in role["verdict"], role["verdict"]
+    assert role["collectives"]["reduce_scatter_tensor over tp"] > 0
+    assert any(k.endswith(" over cp") and v > 0 for k, v in role["collectives"].items()), role["collectives"]
 
 
 def test_a_users_module_factory_is_dry_run_with_its_own_split_points_and_plotted(tmp_path):
