@@ -113,7 +113,7 @@ def test_each_mistake_is_one_line_and_exit_code_2(one_process, capsys, token_fil
         ("--data", str(short), "--seq", "16"): "7 windows of --seq 16 + 1, fewer than one global batch of --batch 8",
         ("--pp", "3"): "pp=3 x cp=1 does not divide the world size 1",
         ("--model", "no-such-model"): "--model 'no-such-model': not a built-in",
-        ("--tp", "2", "--cp", "2"): "--tp 2 with --cp 2: tensor parallelism trains over tp x dp x pp so far",
+        ("--tp", "2", "--cp", "2"): "pp=1 x cp=2 x tp=2 does not divide the world size 1: start a multiple of 4",
         ("--resume", str(tmp_path / "empty")): "is empty: no checkpoint was saved there yet",
         ("--resume", str(tmp_path / "nothing")): "there is nothing at that path",
     }
