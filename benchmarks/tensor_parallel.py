@@ -11,7 +11,9 @@ forward, the loss and a backward (no optimizer: both sides would step the same s
              after it (parallelize_module unties them), loss_parallel over its vocab-sharded logits.
 
 Both compiled with torch.compile (Inductor; `--compiler eager` for AOTAutograd's eager graphs), steps
-interleaved on the same processes. One JSON object per implementation and tp: "bench": "tensor_parallel",
+interleaved on the same processes; then gradsched alone at tp 2 x pp 2 (`--pp`; 1F1B, 2 micro-batches, its
+train_step timed: no DTensor peer, torch's pipelining has no tie across stages; its logits and TP bytes are read
+at pp 1 only). One JSON object per implementation and layout: "bench": "tensor_parallel",
 "impl", "tp", "pp", "dp", "step_ms_median" (the slowest rank's, median over steps), "vs_dtensor",
 "peak_bytes_per_rank" (the step's peak above its start, on the step's own thread), "logits_bytes_per_rank",
 "tp_bytes_per_step" (gradsched: read from its compiled graphs), "tp_bytes_formula" (what Megatron's SP
@@ -187,6 +189,54 @@ def rank_run(rank, world, c: dict, compiler: str, steps: int) -> dict:
             "replicated_numel": int(sum(params[names[i]].numel() for i, p in lg.partitions.items() if p.dim is None))}
 
 
+class Logits(torch.nn.Module):
+    """The HF model's logits as its output (gradsched.parallelize trains a module whose output the loss takes)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens):
+        return self.model(input_ids=tokens).logits
+
+
+def pipeline_rank_run(rank, world, c: dict, compiler: str, steps: int, pp: int) -> dict:
+    """gradsched.parallelize at tp x pp (1F1B, 2 micro-batches, shard=False): each step's train_step (every
+    stage's forward and backward, the tie's all-reduce over its TP shard, the gradients' reductions)."""
+    import gradsched
+    from gradsched.passes.tp_layouts import take_chunk
+    from tied_training import abs_diff, reduced_gradients
+    tp = world // pp
+    x, y = batch(c)
+    ref = Logits(build(c, torch.float64))
+    loss_of(ref(x), y).backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters(remove_duplicate=False)}
+    scale = max(g.abs().max().item() for g in ref_grads.values())
+    del ref
+    plan = gradsched.ParallelPlan.from_world(tp=tp, pp=pp)
+    split = tuple(f"model.model.layers.{i * c['layers'] // pp}" for i in range(1, pp))
+    model = gradsched.parallelize(Logits(build(c)), plan=plan, loss_fn=loss_of, compiler=compiler,
+                                  split_points=split, microbatches=2, schedule="1f1b", shard=False)
+    times, grads = [], None
+    for i in range(2 + steps):  # compile, a warm step, then the timed ones
+        model.zero_grad(set_to_none=True)
+        t = time.perf_counter()
+        model.train_step(x, y)
+        if i >= 2:
+            times.append(time.perf_counter() - t)
+        grads = grads or reduced_gradients(model.grad_sync)["full"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        model.train_step(x, y)
+    shards = model.model_state.tp_shards
+    whole = dict(model.model_state.trained_module().named_parameters())
+    t_idx, err = plan.index("tp"), 0.0
+    for n, g in grads.items():
+        part = shards.partition_of(whole[n]) if shards is not None and n in whole else None
+        want = ref_grads[n] if part is None else take_chunk(ref_grads[n], part.dim, part.segments, tp, t_idx)
+        err = max(err, abs_diff(g.double(), want))  # inf on NaN
+    return {"times": times, "peak": int(peak_increment(prof)), "error": float(err / scale)}
+
+
 def formula(c: dict, tp: int, replicated_numel: int, elem: int = 4) -> int:
     """What Megatron's sequence parallelism moves a step for this plan, in bytes a rank sends."""
     act = (tp - 1) / tp * c["batch"] * c["seq"] * c["hidden"] * elem
@@ -201,6 +251,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tp", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--pp", type=int, nargs="*", default=[2], help="also gradsched at tp 2 x each pp (no DTensor "
+                    "peer: torch's pipelining has no tie across stages, torchtitan refuses ties under pipeline "
+                    "parallelism); none to skip")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
@@ -226,6 +279,18 @@ def main(argv=None) -> int:
                          "tp_bytes_per_step": ranks[0]["bytes"] if impl == "gradsched" else None,
                          "tp_bytes_formula": formula(c, tp, ranks[0]["replicated_numel"]),
                          "max_rel_grad_diff_vs_one_process": max(r["errors"][impl] for r in ranks)})
+    for pp in args.pp:
+        print(f"tensor_parallel.py: gradsched at tp 2 x pp {pp} ...", file=sys.stderr, flush=True)
+        ranks = run_ranks(pipeline_rank_run, 2 * pp, c, args.compiler, args.steps, pp, timeout_s=1800)
+        ms = 1e3 * statistics.median(max(s) for s in zip(*(r["times"] for r in ranks)))
+        rows.append({"bench": "tensor_parallel", "impl": "gradsched", "tp": 2, "pp": pp, "dp": 1,
+                     "compiler": args.compiler, "model": "hf_llama (tied, GQA)", **c, "schedule": "1f1b",
+                     "microbatches": 2, "step_ms_median": round(ms, 2), "vs_dtensor": None,
+                     "dtensor": "no peer: torch's pipelining has no tie across stages",
+                     "peak_bytes_per_rank": max(r["peak"] for r in ranks),
+                     "logits_bytes_per_rank": None, "one_process_logits_bytes": one_logits,
+                     "tp_bytes_per_step": None, "tp_bytes_formula": None,  # read at pp 1 only (one local graph)
+                     "max_rel_grad_diff_vs_one_process": max(r["error"] for r in ranks)})
     emit(rows, out)
     return 0
 

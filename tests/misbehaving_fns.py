@@ -91,28 +91,52 @@ def _nan_in_the_first_activation_at_step(step_index: int):
     return state
 
 
+def _nan_received_by_stage_1(state: dict):
+    """Patch torch's PipelineStage (under gradsched's): while state["armed"] is set, one NaN written into the
+    activation stage 1 received for micro-batch 1, after its sender computed it finite (corruption in transit).
+    Returns the undo."""
+    from torch.distributed.pipelining.stage import PipelineStage
+    retrieve = PipelineStage._retrieve_recv_activations
+
+    def corrupted(self, fwd_chunk_id):
+        out = retrieve(self, fwd_chunk_id)
+        if state.get("armed") and fwd_chunk_id == 1:
+            state["armed"] = False
+            with torch.no_grad():
+                out[0].view(-1)[0] = float("nan")
+        return out
+    PipelineStage._retrieve_recv_activations = corrupted
+    return lambda: setattr(PipelineStage, "_retrieve_recv_activations", retrieve)
+
+
 def pipeline_misbehaviour(rank, world):
     """pp2 x dp1, four jobs in one set of processes (each ends on both ranks together):
     "shape": rank 0's first batch is 4 tokens shorter (refused at setup, rank 0 named as the sender);
     "raise": rank 0 (stage 0) sends one NaN at step 2 (NonFiniteError on both);
     "skip": the same with on_nonfinite="skip" (both skip step 2);
-    "unlabelled": step 2's targets are all ignore_index (its mean loss is NaN: NonFiniteError on both).
+    "unlabelled": step 2's targets are all ignore_index (its mean loss is NaN: NonFiniteError on both);
+    "transit": a NaN written into what rank 1 received at step 2, its sender's output finite.
     Returns {job: the error text, or the skipped steps and parameters}."""
     out = {}
     state = _nan_in_the_first_activation_at_step(1) if rank == 0 else {}
-    for name in ("shape", "raise", "skip", "unlabelled"):
+    for name in ("shape", "raise", "skip", "unlabelled", "transit"):
         torch._dynamo.reset()
         options = {"compiler": "eager", "fault_timeout_s": 30.0}
         if name == "skip":
             options["on_nonfinite"] = "skip"
+        if name == "transit":
+            options["microbatches"] = 2  # micro-batch 1 is corrupted
         job = Job(pp=2, dp=1, steps=3, options=options)
         model, split_points = build_model(job)
         model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=2, dp=1), loss_fn=lm_loss,
                                       split_points=split_points, **options)
         opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+        transit = {}
+        undo = _nan_received_by_stage_1(transit) if name == "transit" and rank == 1 else (lambda: None)
         try:
             for step in range(job.steps):
                 x, y = batch(job, step)
+                transit["armed"] = step == 1
                 if name == "shape" and rank == 0:
                     x, y = x[:, :-4], y[:, :-4]
                 if name == "unlabelled" and step == 1:
@@ -127,6 +151,8 @@ def pipeline_misbehaviour(rank, world):
                          "ties": [t.members for t in sync.ties.values()]}
         except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
             out[name] = f"{type(e).__name__}: {e}"
+        finally:
+            undo()
     for shard in (False, True):  # then pp1 x dp2 on the same processes
         out[f"grads shard={shard}"] = _nan_in_one_ranks_gradients(rank, shard)
     out["grads shard=True fp16"] = _nan_in_one_ranks_gradients(rank, True, torch.float16)

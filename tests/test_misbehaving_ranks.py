@@ -4,6 +4,7 @@ Multi-rank runs (gloo, 2 ranks) against one process; the pure parts (who is wait
 non-finite first, which boundary disagrees) in one process from fabricated statuses.
 """
 import json
+import math
 import time
 
 import pytest
@@ -65,6 +66,13 @@ def test_a_nan_sent_by_one_stage_raises_on_every_rank_naming_it_and_the_step(pip
     for r in pipeline_runs:
         assert r["raise"].startswith("NonFiniteError: step 2 (of this run): rank 0 (pipeline stage 0) went "
                                      "non-finite first, in its stage's forward output"), r["raise"]
+
+
+def test_a_nan_that_appears_in_transit_is_named_at_the_boundary_not_blamed_on_the_receivers_loss(pipeline_runs):
+    for r in pipeline_runs:
+        assert r["transit"].startswith("NonFiniteError: step 2 (of this run): rank 1 received a non-finite "
+                                       "activation from rank 0 (stage 0 -> 1, micro-batch 1) whose own output "
+                                       "was finite"), r["transit"]
 
 
 def test_a_global_batch_without_a_labelled_token_is_a_non_finite_loss_never_applied(pipeline_runs):
@@ -133,6 +141,32 @@ def test_non_finite_values_are_traced_to_the_lowest_stage_forward_then_the_loss_
         nonfinite.describe(_agreed(rows), 1)
     assert "step 4 (of this run): rank 1 (pipeline stage 0) went non-finite first, in its reduced gradients" in \
         nonfinite.describe(_agreed({0: (0, set()), 1: (0, {G})}), 4)
+
+
+def test_a_receipt_gone_non_finite_is_named_at_its_boundary_only_when_its_senders_output_was_finite():
+    F, L, B = nonfinite.FORWARD, nonfinite.LOSS, nonfinite.BACKWARD
+    rows = _agreed({0: (0, {B}), 1: (1, {L, B}), 2: (2, {L})})
+    rows[:, nonfinite.RECEIVED_AT] = -1
+    for r, microbatch in ((2, 0), (1, 3)):  # two receipts went bad: the lower stage's is named
+        rows[r, nonfinite.RECEIVED] = float("nan")
+        rows[r, nonfinite.RECEIVED_AT] = nonfinite.transit_code(r, microbatch, r - 1)
+    assert "rank 1 received a non-finite activation from rank 0 (stage 0 -> 1, micro-batch 3) whose own output " \
+        "was finite; non-finite values were seen on rank(s) [0, 1, 2]" in nonfinite.describe(rows, 5)
+    rows[0, F] = float("nan")  # the sender's own output went non-finite: the model's, named as before
+    assert "rank 0 (pipeline stage 0) went non-finite first, in its stage's forward output" in \
+        nonfinite.describe(rows, 5)
+
+
+def test_a_stages_received_row_is_finite_and_minus_one_until_a_receipt_goes_non_finite():
+    flags = nonfinite.StepFlags()
+    assert flags.received_row("cpu").tolist() == [0.0, -1.0]
+    flags.observe_received(nonfinite.transit_code(1, 0, 0), (torch.ones(3), torch.tensor([1, 2])))
+    flags.observe_received(nonfinite.transit_code(1, 2, 0), torch.tensor([1.0, float("inf")]))
+    flags.observe_received(nonfinite.transit_code(1, 1, 0), torch.tensor([float("nan")]))
+    flag, at = flags.received_row("cpu").tolist()
+    assert math.isnan(flag) and nonfinite.transit_of(int(at)) == (1, 1, 0)
+    flags.reset()
+    assert not flags.observed()
 
 
 def test_a_nan_global_loss_blames_the_rank_whose_loss_went_bad_or_else_the_whole_last_stage():

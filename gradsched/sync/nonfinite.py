@@ -15,7 +15,10 @@ host read of it in the optimizer's step decides, the same on every rank: raise N
 
 Where first: activations flow forward and gradients backward, so the origin is the lowest stage whose
 forward output went non-finite; else a rank whose loss did; else the highest stage whose input
-gradients did; else the ranks whose reduced gradients did (their own parameters' gradients).
+gradients did; else the ranks whose reduced gradients did (their own parameters' gradients). Before all of them:
+a rank that received a non-finite activation over a pipeline boundary from a rank whose own forward output was
+finite is named with that boundary, its sender and the micro-batch, so corruption in transit is told apart from
+the model's own overflow.
 """
 from __future__ import annotations
 
@@ -33,10 +36,24 @@ from gradsched.sync.watchdog import JOURNAL
 FORWARD, LOSS, BACKWARD, GRADS = 1, 2, 3, 4  # a rank's slots; slot 0 holds its stage + 1
 KINDS = (FORWARD, LOSS, BACKWARD, GRADS)
 COUNT, SHARE, SCALE = 5, 6, 7  # a rank's loss (the last stage's): labelled count, share, scale (training.loss_weights)
-SLOTS = 8
+RECEIVED, RECEIVED_AT = 8, 9  # a rank's received activations: NaN where one went non-finite; the first such
+#                               receipt's `transit_code` (lowest stage, then micro-batch), -1 for none
+SLOTS = 10
+TRANSIT = 2 ** 20  # `transit_code`'s radix: micro-batches and ranks below it, the code exact in float64
 WHAT = {FORWARD: "its stage's forward output (the activations it sends to the next stage)",
         LOSS: "its loss", BACKWARD: "its stage's input gradients (what it sends to the previous stage)",
         GRADS: "its reduced gradients"}
+
+
+def transit_code(stage: int, microbatch: int, sender: int) -> int:
+    """One number for a receipt: stage `stage` got micro-batch `microbatch` from plan rank `sender`."""
+    return (stage * TRANSIT + microbatch) * TRANSIT + sender
+
+
+def transit_of(code: int) -> tuple[int, int, int]:
+    """(stage, micro-batch, sender) of a `transit_code`."""
+    rest, sender = divmod(code, TRANSIT)
+    return (*divmod(rest, TRANSIT), sender)
 
 
 class NonFiniteError(RuntimeError):
@@ -53,6 +70,7 @@ class StepFlags:
         self.loss: torch.Tensor | None = None  # the step's loss, from every rank's row (ParallelModel.train_step)
         self.agreed: torch.Tensor | None = None  # [world, SLOTS] after the step's reduction
         self.own_grads: torch.Tensor | None = None  # issued early: this rank's reduced gradients' marker, every rank's
+        self.received: list[tuple[int, list]] = []  # per activation received: its transit_code, its extremes
         self.step = 0
         self._paused = 0
 
@@ -83,8 +101,29 @@ class StepFlags:
             if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel():
                 seen.extend(torch.aminmax(t.detach() if t.requires_grad else t))
 
+    def observe_received(self, code: int, tensors) -> None:
+        """Activations received over a pipeline boundary (`transit_code` says from where), before the stage
+        computes on them."""
+        if self._paused:
+            return
+        extremes = [v for t in torch.utils._pytree.tree_leaves(tensors)
+                    if isinstance(t, torch.Tensor) and t.is_floating_point() and not t.is_meta and t.numel()
+                    for v in torch.aminmax(t.detach() if t.requires_grad else t)]
+        if extremes:
+            self.received.append((code, extremes))
+
     def observed(self) -> bool:
-        return any(self.seen)
+        return any(self.seen) or bool(self.received)
+
+    def received_row(self, device) -> torch.Tensor:
+        """[2] float64: RECEIVED's flag (NaN where a received activation went non-finite, else 0) and
+        RECEIVED_AT (the first such receipt's code, else -1), on the device, unread."""
+        if not self.received:
+            return torch.tensor([0.0, -1.0], dtype=torch.float64, device=device)
+        flags = torch.stack([(torch.stack(v).to(torch.float64) * 0).sum() for _, v in self.received])
+        codes = torch.tensor([c for c, _ in self.received], dtype=torch.float64, device=device)
+        first = torch.where(torch.isnan(flags), codes, torch.inf).amin()
+        return torch.stack([flags.sum(), torch.where(torch.isinf(first), -1.0, first)])
 
     def bad(self, device) -> torch.Tensor:
         """[len(KINDS)]: NaN where that kind went non-finite this step, else 0 (a flag is its nonzero)."""
@@ -95,6 +134,7 @@ class StepFlags:
 
     def reset(self) -> None:
         self.seen = [[] for _ in KINDS]
+        self.received = []
         self.agreed, self.loss_row, self.loss, self.own_grads = None, None, None, None
 
 
@@ -109,7 +149,7 @@ def local_row(sync, grads_marker: torch.Tensor | None, device) -> torch.Tensor:
     # nothing observed (a rank of one stage: its loss is checked through its share): no flags to make
     kinds = flags.bad(device)[:GRADS - 1] if flags.observed() else torch.zeros(GRADS - 1, device=device)
     return torch.cat([torch.full((1,), setup.stage + 1.0, dtype=torch.float64, device=device), kinds,
-                      (grads_marker.to(torch.float64) * 0).reshape(1), loss.to(device)])
+                      (grads_marker.to(torch.float64) * 0).reshape(1), loss.to(device), flags.received_row(device)])
 
 
 @torch.no_grad()
@@ -274,6 +314,19 @@ def describe(agreed: torch.Tensor, step: int, loss_bad: bool = False) -> str:
         last = max(s for s, _ in rows.values())
         rows = {r: (s, kinds | ({LOSS} if s == last else set())) for r, (s, kinds) in rows.items()}
     bad = {r: (s, kinds) for r, (s, kinds) in rows.items() if kinds}
+    transit = sorted((int(agreed[r, RECEIVED_AT]), r) for r in range(len(agreed)) if agreed[r, RECEIVED] != 0)
+    upstream = min((s for s, kinds in bad.values() if FORWARD in kinds), default=None)  # the model's own
+    for code, r in transit:
+        stage, microbatch, sender = transit_of(code)
+        # its sender's own output was finite, and no stage before went non-finite: it changed on the way
+        if agreed[sender, FORWARD] == 0 and (upstream is None or upstream >= stage):
+            others = sorted(set(bad) | {q for _, q in transit})
+            return (f"step {step} (of this run): rank {r} received a non-finite activation from rank {sender} "
+                    f"(stage {stage - 1} -> {stage}, micro-batch {microbatch}) whose own output was finite; "
+                    f"non-finite values were seen on rank(s) {others}. Nothing was applied: the optimizer did not "
+                    "step. The values changed between the two ranks: look at the link, the transport (its "
+                    "buffers, a driver or NCCL fault) or a write into the sent tensor after it was computed, not "
+                    "at the model.")
     origin = None
     for kind, key in ((FORWARD, lambda r: (bad[r][0], r)), (LOSS, lambda r: r),
                       (BACKWARD, lambda r: (-bad[r][0], r)), (GRADS, lambda r: r)):

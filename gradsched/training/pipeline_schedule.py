@@ -95,6 +95,14 @@ def pipeline_schedule(name: str, stages: list, num_stages: int, plan, sync, m: i
             with timeline.span("W", bwd_chunk_id):
                 return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
+        def _retrieve_recv_activations(self, fwd_chunk_id):
+            out = super()._retrieve_recv_activations(fwd_chunk_id)
+            prev = self.stage_index_to_group_rank[self.stage_index - 1]
+            if prev != self.group_rank:  # over a boundary (a V's turn on one rank is handed over in memory)
+                sender = plan.rank_of(prev, plan.index("dp"), plan.index("cp"), plan.index("tp"))
+                sync.nonfinite.observe_received(nonfinite.transit_code(self.stage_index, fwd_chunk_id, sender), out)
+            return out
+
         def forward_one_chunk(self, fwd_chunk_id, args, kwargs=None, *rest, **kw):
             with timeline.span("F", fwd_chunk_id):
                 out = super().forward_one_chunk(fwd_chunk_id, args, kwargs, *rest, **kw)
