@@ -217,16 +217,20 @@ def pipeline_rank_run(rank, world, c: dict, compiler: str, steps: int, pp: int) 
     split = tuple(f"model.model.layers.{i * c['layers'] // pp}" for i in range(1, pp))
     model = gradsched.parallelize(Logits(build(c)), plan=plan, loss_fn=loss_of, compiler=compiler,
                                   split_points=split, microbatches=2, schedule="1f1b", shard=False)
+    # lr 0: the step's check and zeroing run between the timed train_steps, the weights stay the reference's
+    opt = gradsched.DistributedOptimizer(model, torch.optim.SGD, lr=0.0)
     times, grads = [], None
     for i in range(2 + steps):  # compile, a warm step, then the timed ones
-        model.zero_grad(set_to_none=True)
         t = time.perf_counter()
         model.train_step(x, y)
         if i >= 2:
             times.append(time.perf_counter() - t)
         grads = grads or reduced_gradients(model.grad_sync)["full"]
+        opt.step()
+        opt.zero_grad()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         model.train_step(x, y)
+    opt.step()
     shards = model.model_state.tp_shards
     whole = dict(model.model_state.trained_module().named_parameters())
     t_idx, err = plan.index("tp"), 0.0
