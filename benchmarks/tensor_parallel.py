@@ -12,8 +12,8 @@ forward, the loss and a backward (no optimizer: both sides would step the same s
 
 Both compiled with torch.compile (Inductor; `--compiler eager` for AOTAutograd's eager graphs), steps
 interleaved on the same processes; then gradsched alone at tp 2 x pp 2 (`--pp`; 1F1B, 2 micro-batches, its
-train_step timed: no DTensor peer, torch's pipelining has no tie across stages; its logits and TP bytes are read
-at pp 1 only). One JSON object per implementation and layout: "bench": "tensor_parallel",
+train_step timed: no DTensor peer, torch's pipelining has no tie across stages; its logits are those the loss
+after the last stage reads, its TP bytes are read at pp 1 only). One JSON object per implementation and layout: "bench": "tensor_parallel",
 "impl", "tp", "pp", "dp", "step_ms_median" (the slowest rank's, median over steps), "vs_dtensor",
 "peak_bytes_per_rank" (the step's peak above its start, on the step's own thread), "logits_bytes_per_rank",
 "tp_bytes_per_step" (gradsched: read from its compiled graphs), "tp_bytes_formula" (what Megatron's SP
@@ -27,6 +27,7 @@ CPU timings here are ratios of the two measured side by side; absolute times onl
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -238,7 +239,10 @@ def pipeline_rank_run(rank, world, c: dict, compiler: str, steps: int, pp: int) 
         part = shards.partition_of(whole[n]) if shards is not None and n in whole else None
         want = ref_grads[n] if part is None else take_chunk(ref_grads[n], part.dim, part.segments, tp, t_idx)
         err = max(err, abs_diff(g.double(), want))  # inf on NaN
-    return {"times": times, "peak": int(peak_increment(prof)), "error": float(err / scale)}
+    # the last stage's logits, as its loss reads them: each micro-batch's local columns (loss parallel)
+    shapes = model.global_loss.vocab_parallel.shapes
+    logits = 2 * math.prod(shapes[0]) * 4 if shapes else None  # 2 micro-batches, fp32
+    return {"times": times, "peak": int(peak_increment(prof)), "error": float(err / scale), "logits": logits}
 
 
 def formula(c: dict, tp: int, replicated_numel: int, elem: int = 4) -> int:
@@ -292,7 +296,8 @@ def main(argv=None) -> int:
                      "microbatches": 2, "step_ms_median": round(ms, 2), "vs_dtensor": None,
                      "dtensor": "no peer: torch's pipelining has no tie across stages",
                      "peak_bytes_per_rank": max(r["peak"] for r in ranks),
-                     "logits_bytes_per_rank": None, "one_process_logits_bytes": one_logits,
+                     "logits_bytes_per_rank": max((r["logits"] for r in ranks if r["logits"]), default=None),
+                     "one_process_logits_bytes": one_logits,
                      "tp_bytes_per_step": None, "tp_bytes_formula": None,  # read at pp 1 only (one local graph)
                      "max_rel_grad_diff_vs_one_process": max(r["error"] for r in ranks)})
     emit(rows, out)

@@ -153,13 +153,20 @@ def _refuse_meta(params: dict) -> None:
                          "init_weights=fn), which allocates each rank's stage; or build it on a real device.")
 
 
-def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dict, tp_shards):
+def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dict, tp_shards, vocab_outputs=None):
     """tp > 1: Dynamo's graph split for this TP rank (passes/tensor_parallel.py), in place. Returns {input index:
-    this rank's shard} of the TP-sharded parameter inputs, cut once a model (gradsched.tp.local_shards)."""
+    this rank's shard} of the TP-sharded parameter inputs, cut once a model (gradsched.tp.local_shards).
+    vocab_outputs (a list, for a last pipeline stage whose loss runs loss-parallel after it): its logits are left
+    split over the vocabulary, and the dimension they are split along appended."""
+    import dataclasses
     from gradsched.tp.local_graph import shard_graph, tensor_parallel_spec
     spec = tensor_parallel_spec(plan, _local_sequence_length(example_inputs) or _received_sequence_length(example_inputs))
+    spec = dataclasses.replace(spec, vocab_output=vocab_outputs is not None)
     name = lambda i: params[i][0] if i in params else f"graph input {i}"  # noqa: E731
-    return shard_graph(gm, example_inputs, spec, lambda i, whole, p: tp_shards.shard(whole, p, name(i)))[2]
+    record, _, shards = shard_graph(gm, example_inputs, spec, lambda i, whole, p: tp_shards.shard(whole, p, name(i)))
+    if record.vocab_output is not None:
+        vocab_outputs.append(record.vocab_output)
+    return shards
 
 
 def _static(shard: torch.Tensor) -> torch.Tensor:
@@ -171,16 +178,17 @@ def _static(shard: torch.Tensor) -> torch.Tensor:
 
 
 def gradsched_backend(gm: fx.GraphModule, example_inputs, options: dict | None = None, grad_sync=None,
-                      plan=None, tp_shards=None):
+                      plan=None, tp_shards=None, vocab_outputs=None):
     """Dynamo backend entry point (registered as "gradsched"). By name, the plan and the options come
     in `options`; gradsched.parallelize passes its plan, the stage's GradSync and, under tp > 1, the model's TP
-    shards (gradsched.tp.local_shards). Compiling is a journal entry of kind "compile": peers waiting meanwhile
+    shards (gradsched.tp.local_shards) and, for a last pipeline stage, the list its vocab-parallel logits' dimension
+    goes to (tensor_parallel_shards). Compiling is a journal entry of kind "compile": peers waiting meanwhile
     give it compile_timeout_s, not fault_timeout_s."""
     with JOURNAL.entry("compiling a graph (Dynamo's graph: AOTAutograd, gradsched's passes, Inductor)", "compile"):
-        return _compile(gm, example_inputs, options, grad_sync, plan, tp_shards)
+        return _compile(gm, example_inputs, options, grad_sync, plan, tp_shards, vocab_outputs)
 
 
-def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards):
+def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards, vocab_outputs):
     options = dict(options or {})
     plan = options.pop("plan", plan)
     params = parameter_inputs(gm, example_inputs)
@@ -194,7 +202,7 @@ def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards):
     compiler = opts.compiler
     swap = {}  # tp > 1: input index -> this TP rank's shard, passed in place of the whole parameter
     if plan.tp > 1:
-        swap = tensor_parallel_shards(gm, example_inputs, plan, params, tp_shards)
+        swap = tensor_parallel_shards(gm, example_inputs, plan, params, tp_shards, vocab_outputs)
         example_inputs = [_static(swap[i]) if i in swap else x for i, x in enumerate(example_inputs)]
         params = {i: (n, swap.get(i, p)) for i, (n, p) in params.items()}
     tp_sharded = frozenset(params[i][0] for i in swap if i in params)

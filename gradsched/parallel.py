@@ -66,9 +66,12 @@ class ParallelModel:
     global_loss = property(lambda self: self.driver.global_loss)
     timeline = property(lambda self: self.driver.timeline)
 
-    def _compile_with(self, module, grad_sync):
+    def _compile_with(self, module, grad_sync, last: bool = False):
+        # a pipeline's last stage under tp: its logits left split over the vocabulary, for the loss-parallel loss
+        loss = self.driver.global_loss.vocab_parallel
         backend = functools.partial(gradsched_backend, grad_sync=grad_sync, plan=self.plan,
-                                    tp_shards=self.model_state.tp_shards)
+                                    tp_shards=self.model_state.tp_shards,
+                                    vocab_outputs=loss.outputs if last and loss is not None else None)
         return torch.compile(module, fullgraph=self.fullgraph, backend=backend)
 
     def _shard_sequence(self, inputs, targets, positions=None, attention_mask=None):

@@ -76,6 +76,9 @@ class TensorParallelSpec:
     #   label_smoothing): F.cross_entropy from this rank's vocabulary columns (None: the logits are gathered)
     scatter_input: Callable | None = None  # (x, dim, group, tp, rank) -> this rank's sequence chunk of a whole
     #   input; backward all-gather (a pipeline stage's received activation; None: such an input is refused)
+    vocab_inputs: tuple = ()  # indices of inputs that arrive as this rank's vocabulary columns (a loss's logits)
+    vocab_output: bool = False  # a lone output split over the vocabulary stays so (a last pipeline stage whose
+    #   loss runs loss-parallel outside its graph: gradsched.training.vocab_parallel_loss); else it is gathered
 
 
 @dataclass
@@ -83,6 +86,7 @@ class TensorParallelRecord:
     partitions: dict = field(default_factory=dict)  # parameter placeholder name -> Partition
     roles: dict = field(default_factory=dict)  # linear/embedding node name -> its role
     collectives: list = field(default_factory=list)  # (kind, node name) in graph order
+    vocab_output: int | None = None  # the dimension of the output left split over the vocabulary (vocab_output)
 
 
 def shard_for_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec):
@@ -211,10 +215,10 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
     # the walk ---------------------------------------------------------------------------------------
     def run(self) -> None:
         self.body = next(n for n in self.graph.nodes if n.op != "placeholder")  # grad_sum nodes go before it
-        for node in list(self.graph.nodes):
+        for i, node in enumerate(list(self.graph.nodes)):
             if node.op == "placeholder":
-                self.lay[node] = self.outer._l(self.operand_of[node]) if self.outer else FULL
-                if self.outer is None:
+                self.lay[node] = self.outer._l(self.operand_of[node]) if self.outer else self._input_layout(i, node)
+                if self.outer is None and not self.lay[node].split:
                     self._boundary_input(node)
             elif node.op == "output":
                 self._output(node)
@@ -224,7 +228,8 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
                 self.lay[node] = FULL
         self._check_gathers_feed_split_work()
         if self.outer is None:
-            propagate_local_values(self.gm, self.whole, self.record.partitions, self.spec.tp, self.spec.rank)
+            split = {ph: self.lay[ph].dim for ph in self.graph.find_nodes(op="placeholder") if self.lay[ph].split}
+            propagate_local_values(self.gm, self.whole, self.record.partitions, self.spec.tp, self.spec.rank, split)
 
     def _boundary_input(self, ph: fx.Node) -> None:
         """A non-parameter floating input that needs a gradient is a pipeline stage's received activation, whole
@@ -381,7 +386,7 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
             if self._l(a).kind == "partial":  # a stage that ends at the embedding: reduced, then gathered whole
                 a = self._reduce(a, node)
             lay = self._l(a)
-            if not lay.split:
+            if not lay.split or self._keeps_vocab(a, lay, node):
                 return a
             if lay.segments != 1:
                 raise TensorParallelError(f"graph output {a.name} is a fused projection's blocks.")

@@ -162,18 +162,20 @@ def _index_dim(index, ndim: int, dim: int, shape, node) -> int:
     return out
 
 
-def propagate_local_values(gm: fx.GraphModule, whole: dict, partitions: dict, tp: int, rank: int) -> None:
+def propagate_local_values(gm: fx.GraphModule, whole: dict, partitions: dict, tp: int, rank: int,
+                           split_inputs: dict | None = None) -> None:
     """Every node's fake value becomes its local one, in the graph and in the bodies it runs: parameter
-    placeholders cut by their partitions, the rest re-run on those (the collectives' fake kernels give
-    their shapes)."""
+    placeholders cut by their partitions (other inputs by `split_inputs`, placeholder -> dimension), the rest
+    re-run on those (the collectives' fake kernels give their shapes)."""
     mode = next((v.fake_mode for v in whole.values() if getattr(v, "fake_mode", None) is not None), None)
     env = {}
     for ph in gm.graph.find_nodes(op="placeholder"):
         v = whole[ph]
         p = partitions.get(ph.name)
-        if isinstance(v, torch.Tensor) and p is not None and p.dim is not None:
+        dim, segments = (p.dim, p.segments) if p is not None else ((split_inputs or {}).get(ph), 1)
+        if isinstance(v, torch.Tensor) and dim is not None:
             with mode:
-                v = take_chunk(v.detach(), p.dim, p.segments, tp, rank).clone()
+                v = take_chunk(v.detach(), dim, segments, tp, rank).clone()
                 v.requires_grad_(whole[ph].requires_grad)
             set_fake(ph, v)
         env[ph] = ph.meta.get("example_value", v)

@@ -11,13 +11,29 @@ from __future__ import annotations
 import inspect
 import operator
 
+import torch
 import torch.nn.functional as F
 
-from .tp_layouts import FULL, PARTIAL, Partition, Shard, TensorParallelError, check_divisible
+from .tp_layouts import FULL, PARTIAL, Layout, Partition, Shard, TensorParallelError, check_divisible
 from .tp_roles import where
 
 
 class Vocab:
+    def _input_layout(self, i: int, ph) -> Layout:
+        """A graph input that arrives split over the vocabulary (spec.vocab_inputs: a loss graph's logits) is
+        this rank's columns along its last dimension; any other input is whole."""
+        return Shard(self.whole[ph].dim() - 1) if i in self.spec.vocab_inputs else FULL
+
+    def _keeps_vocab(self, a, lay: Layout, out) -> bool:
+        """spec.vocab_output: the graph's one output, split over the vocabulary along its last dimension (the LM
+        head's logits), is left as this rank's columns for a loss-parallel loss after the graph."""
+        outs = torch.utils._pytree.tree_leaves(out.args)
+        if not (self.spec.vocab_output and len(outs) == 1 and lay.segments == 1
+                and lay.dim == self.whole[a].dim() - 1):
+            return False
+        self.record.vocab_output = lay.dim
+        return True
+
     def _embedding(self, node, role) -> None:
         ids, w = node.args[0], node.args[1]
         if self._l(ids).kind != "full":

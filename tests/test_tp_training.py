@@ -9,6 +9,7 @@ batch. Every job runs on one set of 4 processes.
 import math
 
 import pytest
+import torch
 
 from gradsched.launch import run_ranks
 from tied_training import abs_diff
@@ -40,6 +41,17 @@ JOBS = {
     "tiny_gpt-tp2xcp2-ulysses-params-clipped": Job(tp=2, cp=2, shard="params", clip=0.5, options={"comm": "a2a"}),
     "gradsched_llama-tp2xcp2-ring-inductor": Job(model="gradsched_llama", tp=2, cp=2, compiler="inductor"),
     "gradsched_gpt2-tp2xcp2-ulysses": Job(model="gradsched_gpt2", tp=2, cp=2, options={"comm": "a2a"}),
+    # each layout above on every model of the issue (tiny GPT, HF Llama with GQA, HF GPT-2) and under each compiler
+    "hf_llama-tp2xpp2-zbv-inductor": Job(model="hf_llama", tp=2, pp=2, schedule="zbv", microbatches=4, split=(
+        "model.model.layers.0", "model.model.layers.1", "model.model.norm"), compiler="inductor"),
+    "hf_gpt2-tp2xpp2-zbv": Job(model="hf_gpt2", tp=2, pp=2, schedule="zbv", microbatches=4, split=(
+        "model.transformer.h.0", "model.transformer.h.1", "model.transformer.ln_f")),
+    "hf_llama-tp2xdp2-shard": Job(model="hf_llama", tp=2, dp=2, shard=True),
+    "hf_llama-tp2xdp2-params": Job(model="hf_llama", tp=2, dp=2, shard="params"),
+    "hf_gpt2-tp2xdp2-params-inductor": Job(model="hf_gpt2", tp=2, dp=2, shard="params", compiler="inductor"),
+    "gradsched_gpt2-tp2xcp2-ring": Job(model="gradsched_gpt2", tp=2, cp=2),
+    "gradsched_llama-tp2xcp2-ulysses-inductor": Job(model="gradsched_llama", tp=2, cp=2, compiler="inductor",
+                                                    options={"comm": "a2a"}),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},
                                            perturb="model.ln_f.weight"),
@@ -58,13 +70,26 @@ def ranks():
     return {name: [r[i] for r in out] for i, name in enumerate(JOBS)}
 
 
-@pytest.fixture(scope="module")
-def references():
-    return {name: reference(JOBS[name]) for name in TRAINED}
+def one_process(job: Job, compiled: bool, runs: dict) -> dict:
+    """reference(job, compiled), run once for every job it is the same run of (model, data, steps, clipping)."""
+    key = (job.model, job.global_batch, job.steps, job.clip, compiled)
+    if key not in runs:
+        runs[key] = reference(job, compiled=compiled)
+    return runs[key]
 
 
 @pytest.fixture(scope="module")
-def bounds(references):
+def one_process_runs():
+    return {}
+
+
+@pytest.fixture(scope="module")
+def references(one_process_runs):
+    return {name: one_process(JOBS[name], False, one_process_runs) for name in TRAINED}
+
+
+@pytest.fixture(scope="module")
+def bounds(references, one_process_runs):
     """How close each job must come to its float64 reference. EXACT, unless the model computes in float32 itself
     (Hugging Face's Llama and Qwen2 upcast their norms and rotary embeddings to float32) and the job runs
     Inductor, whose float32 kernels round differently from eager's (cos 6e-8 apart): then twice as far as the
@@ -73,7 +98,7 @@ def bounds(references):
     for name in TRAINED:
         job, own = JOBS[name], {k: 0.0 for k in ("losses", "grads", "state", "norms")}
         if job.compiler == "inductor":
-            own = reference_distance(reference(job, compiled=True), references[name])
+            own = reference_distance(one_process(job, True, one_process_runs), references[name])
             # a NaN or inf there would make every bound infinite: a test that cannot fail
             assert all(math.isfinite(v) for v in own.values()), (name, own)
         out[name] = {k: max(EXACT, 2 * v) for k, v in own.items()}
@@ -121,6 +146,36 @@ def test_no_rank_holds_a_tp_sharded_matrix_whole(ranks, name):
         assert sharded and r["trained_numel"] < r["whole_numel"], (r["trained_numel"], r["whole_numel"])
         # (a tie on one rank, as a V's first and last stage, is proved in each graph that reads it)
         assert {n for n, _ in r["proved"]} == set(r["names"]), "not every gradient's TP reduction proved"
+
+
+# a V holds both ends of its tie on one rank, as one Parameter: only a 1F1B split has copies on two ranks
+@pytest.mark.parametrize("name", [k for k in TRAINED if JOBS[k].pp > 1 and JOBS[k].schedule == "1f1b"])
+def test_tied_copies_on_different_stages_stay_bitwise_equal_on_every_tp_rank(ranks, name):
+    """After the steps, each stage's copy of a tie (its TP shards, trained on their own ranks) holds the same bits
+    as every other stage's copy on the same dp and cp index: the tie's all-reduce ran over each TP rank's shard."""
+    compared = 0
+    for r in ranks[name]:
+        for members in r["ties"]:
+            mine = dict(members).get(r["stage"])
+            for o in ranks[name]:
+                theirs = dict(members).get(o["stage"])
+                if o["stage"] != r["stage"] and (o["dp_idx"], o["cp_idx"]) == (r["dp_idx"], r["cp_idx"]) \
+                        and mine in r["tied_state"] and theirs in o["tied_state"]:
+                    assert torch.equal(r["tied_state"][mine], o["tied_state"][theirs]), (name, mine, theirs)
+                    compared += 1
+    assert compared, f"{name}: no tie across ranks was compared"
+
+
+@pytest.mark.parametrize("name", [k for k in TRAINED if JOBS[k].pp > 1])
+def test_the_last_stage_hands_its_loss_the_logits_split_over_the_vocabulary(ranks, name):
+    """Loss parallel across pipeline stages: the last stage's graph leaves its LM head's logits as each TP rank's
+    columns, and the loss after it (gradsched.training.vocab_parallel_loss) never gathers them (its exact
+    losses and gradients are the test above)."""
+    last = [r for r in ranks[name] if r["losses"] != [None] * JOBS[name].steps]
+    assert last
+    for r in last:
+        assert r["loss_logits"], f"{name}: the loss read gathered logits"
+        assert all(shape[-1] * JOBS[name].tp in r["vocab"] for shape in r["loss_logits"]), (r["loss_logits"], r["vocab"])
 
 
 def test_the_tp_ranks_of_a_stage_shard_the_same_parameters_along_the_same_dims(ranks):

@@ -115,6 +115,15 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
             # cp > 1: each attention call the ring (or Ulysses) took: (its scheme, this rank's query and KV heads)
             "lowered": [(a.comm, a.q_heads, a.kv_heads) for rep in model.grad_sync.attention_reports for a in rep.lowered],
             "names": [n for n, _ in model.named_parameters()],
+            "ties": [list(t.members) for t in model.ties],  # (stage, that stage's name) of each tie's copies
+            # this rank's own copies of them, as it trains them (TP shards gathered: equal whole, equal shards)
+            "tied_state": {n: v for n, v in model.model_state.local_state().items()
+                           if (plan.stage, n) in {m for t in model.ties for m in t.members}},
+            "dp_idx": plan.index("dp"), "cp_idx": plan.index("cp"),
+            # pp > 1: the local logits' shape of each loss run loss-parallel after the last stage (none: gathered)
+            "loss_logits": list(loss.shapes) if (loss := model.global_loss.vocab_parallel) is not None else None,
+            "vocab": sorted({w.shape[p.dim] for w in whole.values()
+                             if shards is not None and (p := shards.partition_of(w)) is not None and p.role == "vocab"}),
             "trained_numel": sum(p.numel() for _, p in model.named_parameters())}
 
 

@@ -87,6 +87,8 @@ def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, 
             if i in partitions:
                 grads[out] = (names[i], partitions[i].dim is None)
         local.backward_graphs.append(copy.deepcopy(bw_gm))
+        if not partitions:  # a graph of no parameter (a loss after the last stage): no gradient to prove
+            return inner(bw_gm, bw_inputs)
         proof = pass_pipeline.run("backward", bw_gm, pass_pipeline.Conditions(tp=spec.tp), {
             "grad_ready_order": {o: n for o, (n, _) in grads.items()},
             "verify_tensor_parallel": TensorParallelGradSpec(spec.group, grads)})["verify_tensor_parallel"]

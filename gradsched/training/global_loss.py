@@ -20,8 +20,12 @@ WHAT = "the step's non-finite flags, labelled tokens and loss"
 
 
 class GlobalLoss:
-    def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int, compiler: str = "eager"):
+    def __init__(self, loss_fn, plan: ParallelPlan, average: bool, ignore_index: int, compiler: str = "eager",
+                 vocab_parallel=None):
         self.loss_fn, self.plan, self.average, self.ignore_index = loss_fn, plan, average, ignore_index
+        # pp > 1 under tp: the loss of the last stage's logits split over the vocabulary, when its graph leaves
+        # them so (gradsched.training.vocab_parallel_loss.VocabParallelLoss); inactive otherwise
+        self.vocab_parallel = vocab_parallel
         # pp > 1: the last stage's weighted loss as one compiled graph (Inductor), or None: eagerly, op by op
         self._compiled = _compiled_gated(loss_fn) if compiler == "inductor" else None
         self.weights = None  # this step's micro-batch weights (loss_weights.StepWeights), on the last stage
@@ -44,12 +48,18 @@ class GlobalLoss:
     def __call__(self, out, target, index: int | None = None):
         """Micro-batch `index`'s share of the step's loss (the schedule says which; pipelining computes one
         extra loss on its first step, on empty tensors: counted from its own targets)."""
+        split = self.vocab_parallel is not None and self.vocab_parallel.active
         if self.weights is None:
-            return self.loss_fn(out, target)
+            return self.vocab_parallel(out, target, *self.gate(0, target.device)) if split else self.loss_fn(out, target)
         if index is None or target.shape != self.mb_target_shape:
+            if split:
+                return self.vocab_parallel(out, target, *loss_weights.own_weights(
+                    target, self.weights.scale(), self.plan, self.ignore_index))
             return loss_weights.weighted(self.loss_fn, out, target, self.weights.scale(), self.plan,
                                          self.ignore_index)
         keep, weight = self.weights(index)  # float64: cast to the loss's dtype (a bf16 output's loss may be fp32)
+        if split:
+            return self.vocab_parallel(out, target, keep, weight)
         if self._compiled is not None:
             try:
                 return self._compiled(out, target, keep, weight)

@@ -104,8 +104,12 @@ class _GradientUnless(torch.autograd.Function):
 def weighted(loss_fn, out, target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
     """A micro-batch's share of the step's loss, counted from its own targets (`StepWeights` counts a step's at
     once)."""
-    keep, weight = StepWeights(labelled(target, ignore_index).reshape(1), total, plan)(0)
-    return gated(loss_fn, out, target, keep, weight)
+    return gated(loss_fn, out, target, *own_weights(target, total, plan, ignore_index))
+
+
+def own_weights(target, total: torch.Tensor, plan: ParallelPlan, ignore_index: int):
+    """(keep, weight) of a micro-batch counted from its own targets."""
+    return StepWeights(labelled(target, ignore_index).reshape(1), total, plan)(0)
 
 
 def gated(loss_fn, out, target, keep: torch.Tensor, weight: torch.Tensor, in_graph: bool = False):

@@ -139,7 +139,8 @@ def compile_split(state: ModelState, staging: Staging, split: Split, compile_wit
         across, merged = merge_local_ties(modules, split.ties, ranks)
         state.stage_module = RankStages([modules[s] for s in state.local])
         state.grad_sync = _grad_sync(state, staging, across, canonical={n: names[0] for names in merged for n in names})
-    return Built([(s, compile_with(modules[s], state.grad_sync), modules[s]) for s in state.local])
+    last = staging.num_stages - 1
+    return Built([(s, compile_with(modules[s], state.grad_sync, last=s == last), modules[s]) for s in state.local])
 
 
 def start_pipeline(state: ModelState, staging: Staging, built: Built, values: StageValues, device, m: int,

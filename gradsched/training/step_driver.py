@@ -13,6 +13,7 @@ import warnings
 import torch
 
 from gradsched.sync.watchdog import JOURNAL, is_comm_error
+from gradsched.training.vocab_parallel_loss import VocabParallelLoss
 from gradsched.training.global_loss import GlobalLoss
 from gradsched.training.pipeline_schedule import Timeline
 from gradsched.training.model_state import ModelState
@@ -44,8 +45,9 @@ class StepDriver:
     def __init__(self, state: ModelState, values, plan, options, loss_fn, ignore_index: int, num_stages: int):
         self.state, self.values, self.plan, self.loss_fn, self.num_stages = state, values, plan, loss_fn, num_stages
         self.m, self.compiler = options.microbatches, options.compiler
+        split = VocabParallelLoss(loss_fn, plan, options.compiler) if plan.pp > 1 and plan.tp > 1 else None
         self.global_loss = GlobalLoss(loss_fn, plan, options.average, ignore_index,
-                                      options.compiler if plan.pp > 1 else "eager")
+                                      options.compiler if plan.pp > 1 else "eager", split)
         self.timeline = Timeline()  # the schedule's work per micro-batch, when timeline.on (benchmarks/pipeline.py)
         self.shape_check = ShapeCheck(plan.pp, self.m)
         self.loss_in_graph = None  # pp = 1: whether the loss runs in the stage's graph (the first micro-batch says)
