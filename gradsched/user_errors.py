@@ -166,6 +166,29 @@ def node_user_line(exc: BaseException, module: torch.nn.Module | None = None) ->
     return None
 
 
+def name_model_line(own: BaseException, module: torch.nn.Module | None) -> BaseException:
+    """gradsched's own error (a pass's refusal) that names a line of generated code (a pipeline stage's graph,
+    which Dynamo traced, `File "<eval_with_key>.N", line M, in forward (its code)`): that reference replaced by
+    the model's line behind it, so the message's first words already name it (peers read only those)."""
+    text = own.args[0] if own.args and isinstance(own.args[0], str) else None
+    found = _GENERATED.search(text or "")
+    line = node_user_line(own, module) if found else None
+    if not line:
+        return own
+    fn = re.compile(r", in \w+").match(text, found.end())  # ', in forward'
+    end = fn.end() if fn else found.end()
+    if text[end:end + 2] == " (":  # its code in parentheses, which may hold parentheses of their own
+        depth, i = 0, end + 1
+        for i in range(end + 1, len(text)):
+            depth += {"(": 1, ")": -1}.get(text[i], 0)
+            if depth == 0:
+                break
+        end = i + 1
+    frame, _, code = line.partition(", code: ")
+    own.args = (text[:found.start()] + f"{frame} ({code})" + text[end:],) + own.args[1:]
+    return own
+
+
 def in_stage(what: str, exc: BaseException, module: torch.nn.Module | None, compiler: str) -> StageError:
     """A StageError with the model's own error and, where it can be mapped, the user's line.
 

@@ -13,7 +13,8 @@ import torch
 
 from gradsched.launch import run_ranks
 from tied_training import abs_diff
-from tp_training_fns import Job, gradient_error, reference, reference_distance, resume_main, training_jobs
+from tp_training_fns import (Job, gradient_error, reference, reference_distance, refused_in_the_last_stage, resume_main,
+                             training_jobs)
 
 EXACT = 1e-12
 PP2 = ("model.blocks.1",)
@@ -238,3 +239,13 @@ def test_a_checkpoint_saved_at_tp2_x_pp2_resumes_at_another_layout_as_one_float6
         assert r["start"] == 2 and number_diff(r["losses"][0], ref["losses"][2]) < EXACT, (r["losses"], ref["losses"])
         worst = max(abs_diff(r["state"][k], v) for k, v in ref["state"].items())
         assert worst < EXACT, worst
+
+
+def test_a_refusal_in_a_later_stage_names_the_models_line_on_every_rank():
+    """The pass refuses an op of the last stage only (a mean over the sequence): its ranks raise the refusal with
+    the model's own line, not the stage graph's generated code, and the first stage's ranks, left waiting, are
+    told it by their peers."""
+    said = run_ranks(refused_in_the_last_stage, 4, timeout_s=300)
+    for rank, text in enumerate(said):
+        assert "TensorParallelError" in text and "x - x.mean(1, keepdim=True)" in text, (rank, text)
+        assert "eval_with_key" not in text.split("x.mean(1")[0], (rank, text)

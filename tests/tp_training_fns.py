@@ -196,3 +196,30 @@ def resume_main(rank: int, world: int, job: Job, save_to: str, load_from: str, s
     if save_to:
         gradsched.save(save_to, model, opt, step=stop)
     return {"start": start, "losses": losses, "state": model.state_dict()}
+
+
+class SequenceCentered(nn.Module):
+    """`inner` of each token less the sequence's mean: a reduction over the sequence, which no TP rank can compute
+    on its chunk of it (sequence parallelism), so the tensor-parallel pass refuses it."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x - x.mean(1, keepdim=True))
+
+
+def refused_in_the_last_stage(rank: int, world: int) -> str:
+    """tp2 x pp2 with the sequence-mixing op in the last stage only: what each rank's train_step raises."""
+    model = model_of(Job())
+    model.model.ln_f = SequenceCentered(model.model.ln_f)
+    plan = gradsched.ParallelPlan.from_world(tp=2, pp=2)
+    model = gradsched.parallelize(model, plan=plan, loss_fn=in_graph_loss, split_points=["model.blocks.1"],
+                                  microbatches=2)
+    x, y = batch(Job(), 0)
+    try:
+        model.train_step(x, y)
+    except Exception as e:  # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "trained"

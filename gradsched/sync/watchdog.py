@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 import torch.distributed as dist
 
 from gradsched.sync import peers, stuck
+from gradsched.user_errors import own_error
 from gradsched.sync.peers import INTERVAL_S, is_comm_error, known_cause as _known_cause  # noqa: F401 - is_comm_error: its old home
 
 GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an entry waits for its own error
@@ -200,8 +201,9 @@ def register_group(pg) -> None:
 def post_failure(exc: BaseException) -> None:
     """Tell the peers why this rank is about to stop (before its error propagates); rank 0 gives their
     watchdogs a beat to fetch it: the store lives in its process, gone once it ends."""
+    exc = own_error(exc) or exc  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
     text = str(exc).strip()
-    _post(JOURNAL, f"{type(exc).__name__}: {text.splitlines()[0][:200]}" if text else type(exc).__name__)
+    _post(JOURNAL, f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__)
     if JOURNAL.store is not None and dist.is_initialized() and dist.get_rank() == 0:
         time.sleep(2 * INTERVAL_S)
 

@@ -17,7 +17,7 @@ from gradsched.training.vocab_parallel_loss import VocabParallelLoss
 from gradsched.training.global_loss import GlobalLoss
 from gradsched.training.pipeline_schedule import Timeline
 from gradsched.training.model_state import ModelState
-from gradsched.user_errors import in_stage, own_error
+from gradsched.user_errors import in_stage, name_model_line, own_error
 
 
 @contextlib.contextmanager
@@ -126,7 +126,9 @@ def stage_errors(state: ModelState, compiler: str):
     try:
         yield
     except Exception as e:
-        if own_error(e) is not None:
+        own = own_error(e)
+        if own is not None:
+            name_model_line(own, state.stage_module)  # a pass's refusal in a stage's graph: the model's line too
             raise
         plan = state.plan
         stage = f"pipeline stage {plan.stage} of {plan.pp}" if plan.pp > 1 else "the training step"
