@@ -18,8 +18,8 @@ after the last stage reads, its TP bytes are read at pp 1 only). One JSON object
 "peak_bytes_per_rank" (the step's peak above its start, on the step's own thread), "logits_bytes_per_rank",
 "tp_bytes_per_step" (gradsched: read from its compiled graphs), "tp_bytes_formula" (what Megatron's SP
 moves for this plan: per layer 4 collectives forward and 4 backward of (tp-1)/tp x batch x sequence x hidden
-elements, the embedding's and the head's 2 each, the loss's 3 all-reduces of batch x sequence floats, the
-replicated gradients' all-reduce; no recompute), "max_rel_grad_diff_vs_one_process" (against the whole model
+elements, the embedding's and the head's 2 each, the loss's all-reduces of 3 x batch x sequence floats (the
+maximum, then both sums in one), the replicated gradients' all-reduce; no recompute), "max_rel_grad_diff_vs_one_process" (against the whole model
 in one float64 process, relative to its largest gradient).
 
 CPU timings here are ratios of the two measured side by side; absolute times only from a GPU, named.

@@ -2,8 +2,8 @@
 F.cross_entropy when the logits reaching it are split over the vocabulary).
 
 Each rank holds logits[:, lo:lo + n] of the N x V logits. In fp32, the row maximum, the sum of
-exponentials and the target's logit are reduced over TP (three all-reduces of N values, and a fourth,
-the rows' logit sums, under label smoothing); the loss is then what one process computes, with
+exponentials and the target's logit are reduced over TP (two all-reduces: the maximum's of N values, then
+the sums' of 2 x N, 3 x N with the rows' logit sums under label smoothing); the loss is then what one process computes, with
 `ignore_index`, `reduction` and label smoothing over the whole vocabulary. The backward is local:
 softmax minus the target's one-hot (smoothed), restricted to this rank's columns.
 """
@@ -26,14 +26,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         row_max = _all_reduce(x.amax(dim=-1), "max", group)
         shifted = x - row_max.unsqueeze(-1)
         exp = shifted.exp()
-        lse = _all_reduce(exp.sum(dim=-1), "sum", group).log()  # log-sum-exp less the row maximum
         inside = (target >= lo) & (target < lo + n)
         local = (target - lo) * inside
         picked = torch.where(inside, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)  # -inf * 0 is NaN
-        loss = lse - _all_reduce(picked, "sum", group)
+        # the sums over TP in one all-reduce: the exponentials', the target's logit and (smoothing) the logits'
+        sums = [exp.sum(dim=-1), picked] + ([shifted.sum(dim=-1)] if smoothing else [])
+        sums = _all_reduce(torch.stack(sums), "sum", group)
+        lse = sums[0].log()  # log-sum-exp less the row maximum
+        loss = lse - sums[1]
         if smoothing:
-            mean_logit = _all_reduce(shifted.sum(dim=-1), "sum", group) / vocab
-            loss = (1 - smoothing) * loss + smoothing * (lse - mean_logit)
+            loss = (1 - smoothing) * loss + smoothing * (lse - sums[2] / vocab)
         valid = target != ignore_index
         loss = loss * valid
         count = valid.sum()
