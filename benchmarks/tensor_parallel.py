@@ -262,7 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pp", type=int, nargs="*", default=[2], help="also gradsched at tp 2 x each pp (no DTensor "
                     "peer: torch's pipelining has no tie across stages, torchtitan refuses ties under pipeline "
                     "parallelism); none to skip")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps a layout (the median of the slowest rank's)")
     ap.add_argument("--compiler", default="inductor", choices=("inductor", "eager"))
     ap.add_argument("--out", default=None, help="results file ('' for none); default benchmarks/results/"
                     "tensor_parallel.jsonl")

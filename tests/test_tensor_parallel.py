@@ -127,6 +127,17 @@ def test_every_backward_graph_is_proved_and_refused_with_any_tp_sum_removed_or_a
                 assert why is not None and "TP" in why, (case, param, why)
 
 
+def test_the_replicated_gradients_are_summed_over_tp_in_one_all_reduce(tp2, tp4):
+    """Every gradient summed over TP (norm weights, a GQA key/value projection kept whole) is a slice of one
+    all-reduce of their concatenation, as Megatron coalesces its norms' (the values: the test above)."""
+    for ranks in (tp2, tp4):
+        for case, r in ranks[0].items():
+            (proved,) = r["proved"]
+            summed = {name for name, how in proved if how == "summed once"}
+            (buckets,) = r["buckets"]
+            assert len(buckets) == 1 and set(buckets[0][1]) == summed, (case, buckets, summed)
+
+
 def test_checkpointed_blocks_split_alike_and_recompute_their_gathers_in_the_backward(tp2):
     """Activation checkpointing's bodies are rewritten like the graph around them; their sequence all-gathers
     run again in the backward (the recompute), two a block."""

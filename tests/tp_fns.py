@@ -125,6 +125,7 @@ def one_case(plan, model: str, compiler: str, dtype: torch.dtype, loss: str = "o
         grad_err = max(grad_err, math.inf if got is None else abs_diff(got.double(), want))
     out.update(grad_err=grad_err, err=max(grad_err, out["loss_err"]), partitions=partitions, collectives=list(lg.record.collectives),
                proved=[p.proved for p in lg.proofs], refusals=_verifier_refusals(lg, plan),
+               buckets=[b.buckets for b in lg.buckets],
                backward_gathers=sum(1 for n in lg.backward_graphs[0].graph.nodes
                                     if n.target is torch.ops._c10d_functional.all_gather_into_tensor.default))
     return out

@@ -27,6 +27,7 @@ from gradsched.passes.defer_waits import defer_waits
 from gradsched.passes.grad_sync import return_shards_only
 from gradsched.passes.param_gather import gather_params
 from gradsched.passes.tensor_parallel import shard_for_tensor_parallel
+from gradsched.passes.tp_grad_buckets import bucket_tp_grad_sums
 from gradsched.passes.tp_torch_level import torch_level
 from gradsched.passes.unlowered_attention import unlowered_attention
 from gradsched.passes.verify_tensor_parallel import verify_tensor_parallel
@@ -88,6 +89,7 @@ PIPELINE: tuple[Pass, ...] = (
     Pass("gather_params", "forward", 'shard="params"', lambda c: c.shard == "params", gather_params),
     Pass("gather_params", "backward", 'shard="params", reshard_after_forward',
          lambda c: c.shard == "params" and c.reshard_after_forward, gather_params),
+    Pass("bucket_tp_grad_sums", "backward", "tp > 1", lambda c: c.tp > 1, bucket_tp_grad_sums),
     Pass("grad_ready_order", "backward", "always", _always, grad_ready_order, rewrites=False,
          call=lambda gm, grad_names: (gm, grad_ready_order(gm, grad_names))),
     Pass("verify_tensor_parallel", "backward", "tp > 1", lambda c: c.tp > 1, verify_tensor_parallel, rewrites=False,

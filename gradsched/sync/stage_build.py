@@ -87,7 +87,7 @@ def backward_specs(setup: StageSetup, options: SyncOptions, grad_names: dict[int
     conditions = pass_pipeline.Conditions.of(options, zero_bubble=zero_bubble, tp=tp)
     specs = {"grad_ready_order": grad_names}
     if tp > 1:
-        specs["verify_tensor_parallel"] = TensorParallelGradSpec(
+        specs["verify_tensor_parallel"] = specs["bucket_tp_grad_sums"] = TensorParallelGradSpec(
             setup.tp_group.name, {i: (n, n not in tp_sharded) for i, n in grad_names.items()})
     return conditions, specs
 

@@ -43,6 +43,7 @@ class LocalGraph:
     shards: dict  # graph input index -> this rank's shard (a leaf Parameter) of that parameter
     partitions: dict  # graph input index -> its parameter's Partition (every parameter input)
     proofs: list = field(default_factory=list)  # the verifier's proof of each backward graph
+    buckets: list = field(default_factory=list)  # passes/tp_grad_buckets' record of each backward graph
     backward_graphs: list = field(default_factory=list)  # a copy of each, as AOTAutograd derived it
     forward_graphs: list = field(default_factory=list)  # a copy of each forward graph AOTAutograd made
 
@@ -89,9 +90,12 @@ def compile_local(gm: fx.GraphModule, example_inputs, spec: TensorParallelSpec, 
         local.backward_graphs.append(copy.deepcopy(bw_gm))
         if not partitions:  # a graph of no parameter (a loss after the last stage): no gradient to prove
             return inner(bw_gm, bw_inputs)
-        proof = pass_pipeline.run("backward", bw_gm, pass_pipeline.Conditions(tp=spec.tp), {
-            "grad_ready_order": {o: n for o, (n, _) in grads.items()},
-            "verify_tensor_parallel": TensorParallelGradSpec(spec.group, grads)})["verify_tensor_parallel"]
+        grad_spec = TensorParallelGradSpec(spec.group, grads)
+        records = pass_pipeline.run("backward", bw_gm, pass_pipeline.Conditions(tp=spec.tp), {
+            "bucket_tp_grad_sums": grad_spec, "grad_ready_order": {o: n for o, (n, _) in grads.items()},
+            "verify_tensor_parallel": grad_spec})
+        proof = records["verify_tensor_parallel"]
+        local.buckets.append(records["bucket_tp_grad_sums"])
         local.proofs.append(proof)
         proof.raise_if_unsafe()
         return inner(bw_gm, bw_inputs)
