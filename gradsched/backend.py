@@ -9,6 +9,8 @@ which runs the pass pipeline (gradsched.passes) and compiles the result. With
 """
 from __future__ import annotations
 
+import dataclasses
+import fnmatch
 import re
 
 import torch
@@ -153,15 +155,28 @@ def _refuse_meta(params: dict) -> None:
                          "init_weights=fn), which allocates each rank's stage; or build it on a real device.")
 
 
-def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dict, tp_shards, vocab_outputs=None):
+def plan_roles(gm: fx.GraphModule, params: dict, tp_plan: dict | None) -> tuple:
+    """The gradsched option tp_plan ({module-name pattern: role}) as the pass takes it: (placeholder name, role) of
+    each parameter input whose module's name a pattern matches (the first that does)."""
+    phs = list(gm.graph.find_nodes(op="placeholder"))
+    out = []
+    for i, (name, _) in params.items():
+        module = name.rsplit(".", 1)[0]
+        role = next((r for pattern, r in (tp_plan or {}).items() if fnmatch.fnmatchcase(module, pattern)), None)
+        if role is not None:
+            out.append((phs[i].name, role))
+    return tuple(out)
+
+
+def tensor_parallel_shards(gm: fx.GraphModule, example_inputs, plan, params: dict, tp_shards, vocab_outputs=None,
+                           tp_plan: dict | None = None):
     """tp > 1: Dynamo's graph split for this TP rank (passes/tensor_parallel.py), in place. Returns {input index:
     this rank's shard} of the TP-sharded parameter inputs, cut once a model (gradsched.tp.local_shards).
     vocab_outputs (a list, for a last pipeline stage whose loss runs loss-parallel after it): its logits are left
     split over the vocabulary, and the dimension they are split along appended."""
-    import dataclasses
     from gradsched.tp.local_graph import shard_graph, tensor_parallel_spec
     spec = tensor_parallel_spec(plan, _local_sequence_length(example_inputs) or _received_sequence_length(example_inputs))
-    spec = dataclasses.replace(spec, vocab_output=vocab_outputs is not None)
+    spec = dataclasses.replace(spec, vocab_output=vocab_outputs is not None, roles=plan_roles(gm, params, tp_plan))
     name = lambda i: params[i][0] if i in params else f"graph input {i}"  # noqa: E731
     record, _, shards = shard_graph(gm, example_inputs, spec, lambda i, whole, p: tp_shards.shard(whole, p, name(i)))
     if record.vocab_output is not None:
@@ -202,7 +217,7 @@ def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards, vocab_outp
     compiler = opts.compiler
     swap = {}  # tp > 1: input index -> this TP rank's shard, passed in place of the whole parameter
     if plan.tp > 1:
-        swap = tensor_parallel_shards(gm, example_inputs, plan, params, tp_shards, vocab_outputs)
+        swap = tensor_parallel_shards(gm, example_inputs, plan, params, tp_shards, vocab_outputs, opts.tp_plan)
         example_inputs = [_static(swap[i]) if i in swap else x for i, x in enumerate(example_inputs)]
         params = {i: (n, swap.get(i, p)) for i, (n, p) in params.items()}
     tp_sharded = frozenset(params[i][0] for i in swap if i in params)

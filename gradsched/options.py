@@ -15,6 +15,7 @@ COMMS = ("ring", "allgather", "a2a", "hybrid", "auto")
 LOAD_BALANCE = (True, False, "documents")
 SHARDS = (True, False, "params")
 ON_NONFINITE = ("raise", "skip")
+TP_ROLES = ("column", "row", "replicated")  # what tp_plan may give a module
 # The one list of each option's values: the context-parallel modules import them from here.
 
 
@@ -57,6 +58,10 @@ class SyncOptions:
     # tp > 1, for debugging: after each optimizer step every TP-replicated parameter is bitwise equal over TP, or
     # the step raises naming the first that is not (gradsched.tp.replica_check); an all-gather of them a step
     check_tp_replicas: bool = False
+    # tp > 1: the roles the tensor-parallel pass finds, overridden by module name ({pattern: role}, fnmatch
+    # patterns such as "model.layers.*.mlp.down_proj", the first that matches wins): "column", "row", or
+    # "replicated" (the module whole on every TP rank); the pass still refuses a layout it cannot compute exactly
+    tp_plan: dict | None = None
     # seconds an eager collective may wait while every peer of its group is alive and waiting too (a collective
     # issued on some ranks only): then each stalled rank names every peer's position and exits (gradsched.sync.watchdog)
     fault_timeout_s: float = 30.0
@@ -116,6 +121,10 @@ class SyncOptions:
             raise ValueError(f"gradsched option fault_timeout_s={self.fault_timeout_s} must be > 0 (seconds).")
         if self.bucket_mb <= 0:
             raise ValueError(f"gradsched option bucket_mb={self.bucket_mb} must be > 0.")
+        for pattern, role in (self.tp_plan or {}).items():
+            if not isinstance(pattern, str) or role not in TP_ROLES:
+                raise ValueError(f"gradsched option tp_plan={{{pattern!r}: {role!r}}}: a module-name pattern "
+                                 f"(a str) and one of {TP_ROLES}.")
         if self.microbatches < 1:
             raise ValueError(f"gradsched option microbatches={self.microbatches} must be >= 1.")
         if self.mode != "tied_first" and not self.shard:

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from .tp_layouts import (BODIES, FULL, PARTIAL, REPLICATED, Layout, Partition, Seq, Shard, TensorParallelError, check_divisible, local_shape,
                          normalize_dim, take_chunk)
 from .tp_roles import (EMBEDDING, NORMS, REDUCTIONS, VIEWS, find_roles, is_linear, is_op, is_sdpa, is_param,
-                       is_pointwise, linear_parts, segments_of, set_linear_parts, where)
+                       is_pointwise, linear_parts, override_roles, segments_of, set_linear_parts, where)
 from .tp_heads import Heads
 from .tp_shape_ops import ShapeOps, propagate_local_values
 from .tp_vocab import Vocab
@@ -76,6 +76,8 @@ class TensorParallelSpec:
     #   label_smoothing): F.cross_entropy from this rank's vocabulary columns (None: the logits are gathered)
     scatter_input: Callable | None = None  # (x, dim, group, tp, rank) -> this rank's sequence chunk of a whole
     #   input; backward all-gather (a pipeline stage's received activation; None: such an input is refused)
+    roles: tuple = ()  # (parameter placeholder name, "column" | "row" | "replicated"): the user's overrides of
+    #   the role found for the linear or embedding that reads that weight (gradsched option tp_plan)
     vocab_inputs: tuple = ()  # indices of inputs that arrive as this rank's vocabulary columns (a loss's logits)
     vocab_output: bool = False  # a lone output split over the vocabulary stays so (a last pipeline stage whose
     #   loss runs loss-parallel outside its graph: gradsched.training.vocab_parallel_loss); else it is gathered
@@ -95,7 +97,7 @@ def shard_for_tensor_parallel(gm: fx.GraphModule, spec: TensorParallelSpec):
         raise TensorParallelError(f"sequence parallelism splits the {spec.seq_len} tokens of each sequence over "
                                   f"tp={spec.tp}: use a sequence length divisible by {spec.tp}.")
     params = {n: n for n in gm.graph.find_nodes(op="placeholder") if is_param(n)}
-    roles = find_roles(gm.graph, params, spec.tp)
+    roles = override_roles(find_roles(gm.graph, params, spec.tp), gm.graph, dict(spec.roles))
     rewriter = _Rewriter(gm, spec, roles, params)
     rewriter.run()
     gm.graph.lint()
@@ -361,8 +363,9 @@ class _Rewriter(ShapeOps, Heads, Vocab, Checks):
         operands = list(node.args[1:])
         phs = list(body.graph.find_nodes(op="placeholder"))
         params = {p: p for p, o in zip(phs, operands) if o in self.params}
-        sub = _Rewriter(body, self.spec, find_roles(body.graph, params, self.spec.tp, heads=False), params,
-                        outer=self, operands=operands)
+        roles = override_roles(find_roles(body.graph, params, self.spec.tp, heads=False), body.graph,
+                               dict(self.spec.roles), dict(zip(phs, [o.name for o in operands])))
+        sub = _Rewriter(body, self.spec, roles, params, outer=self, operands=operands)
         sub.run()
         body.graph.lint()
         body.recompile()

@@ -210,3 +210,27 @@ def reaches(n: fx.Node, outputs: set, memo: dict) -> bool:
 def where(node: fx.Node) -> str:
     frames = stack_frames(node.meta.get("stack_trace"))
     return f"{frames[-1][0]} ({frames[-1][1]})" if frames else f"node {node.name}"
+
+
+def override_roles(roles: dict, graph: fx.Graph, plan: dict, name_of: dict | None = None) -> dict:
+    """`roles` (find_roles') with the user's overrides: `plan` maps a weight's placeholder name (`name_of`: a body's
+    placeholder -> the outer graph's name) to "column", "row" or "replicated"; the linear or embedding reading that
+    weight takes it ("replicated": no role, whole on every rank). What the overrides make inconsistent (a row that
+    reads no column's output, a column or row embedding) is refused by the rewrite, naming the line."""
+    if not plan:
+        return roles
+    for n in graph.nodes:
+        if not (is_linear(n) or is_op(n, EMBEDDING)):
+            continue
+        w = linear_parts(n)[1] if is_linear(n) else n.args[1]
+        role = plan.get((name_of or {}).get(w, getattr(w, "name", None))) if isinstance(w, fx.Node) else None
+        if role is None:
+            continue
+        if role != "replicated" and not is_linear(n):
+            raise TensorParallelError(f"tp_plan makes the embedding at {where(n)} {role}-parallel: an embedding is "
+                                      "vocab-parallel (found) or replicated.")
+        if role == "replicated":
+            roles.pop(n, None)
+        else:
+            roles[n] = role
+    return roles

@@ -218,3 +218,13 @@ def test_a_tensor_parallel_plan_lays_out_its_groups_and_the_backend_by_name_refu
         assert r["builds"] == "ParallelModel"  # tp x dp (x pp) steps train (tests/test_tp_training.py)
         assert r["backend"] is not None and "tp=2" in r["backend"] and "gradsched.parallelize" in r["backend"], \
             r["backend"]
+
+
+def test_a_tp_plan_that_names_no_module_or_a_role_that_does_not_exist_is_refused_before_any_collective():
+    model = TinyGPT(GPTConfig())
+    for plan, tp_plan, message in (
+            (gradsched.ParallelPlan(tp=2), {"blocks.*.mlp": "row"}, r"'blocks.\*.mlp' names no module of TinyGPT"),
+            (gradsched.ParallelPlan(tp=2), {"blocks.*.fc": "rowwise"}, r"one of \('column', 'row', 'replicated'\)"),
+            (gradsched.ParallelPlan(dp=1), {"blocks.*.fc": "replicated"}, "the plan has tp=1")):
+        with pytest.raises(ValueError, match=message):
+            gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, tp_plan=tp_plan)

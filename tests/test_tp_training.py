@@ -53,6 +53,9 @@ JOBS = {
     "gradsched_gpt2-tp2xcp2-ring": Job(model="gradsched_gpt2", tp=2, cp=2),
     "gradsched_llama-tp2xcp2-ulysses-inductor": Job(model="gradsched_llama", tp=2, cp=2, compiler="inductor",
                                                     options={"comm": "a2a"}),
+    # a user's override by module name: the MLPs whole on every TP rank, attention still split
+    "tiny_gpt-tp2xdp2-mlp_whole_by_tp_plan": Job(tp=2, dp=2, options={"tp_plan": {"model.blocks.*.fc": "replicated",
+                                                                                  "model.blocks.*.out": "replicated"}}),
     "tiny_gpt-tp2xdp2-replicas_checked": Job(tp=2, dp=2, options={"check_tp_replicas": True}),
     "tiny_gpt-tp2xdp2-replica_nudged": Job(tp=2, dp=2, options={"check_tp_replicas": True},
                                            perturb="model.ln_f.weight"),
@@ -249,3 +252,15 @@ def test_a_refusal_in_a_later_stage_names_the_models_line_on_every_rank():
     for rank, text in enumerate(said):
         assert "TensorParallelError" in text and "x - x.mean(1, keepdim=True)" in text, (rank, text)
         assert "eval_with_key" not in text.split("x.mean(1")[0], (rank, text)
+
+
+def test_tp_plan_keeps_the_modules_it_names_whole_and_the_pass_splits_the_rest(ranks):
+    """tp_plan={"model.blocks.*.fc": "replicated", ...}: those weights whole on every TP rank (their gradients summed
+    over TP, proved), the attention found and split as without a plan; trained as one process (the tests above)."""
+    for r in ranks["tiny_gpt-tp2xdp2-mlp_whole_by_tp_plan"]:
+        how = dict(r["proved"])
+        mlp = {n: h for n, h in how.items() if ".fc." in n or ".out." in n}
+        assert len(mlp) == 8 and set(mlp.values()) == {"summed once"}, mlp  # 2 blocks x (fc, out) x (weight, bias)
+        assert not any(".fc." in n or ".out." in n for n in r["partitions"]), r["partitions"]  # no TP shard of them
+        split = {n for n in r["partitions"] if ".qkv." in n or ".proj." in n}
+        assert split == {f"model.blocks.{i}.{m}.weight" for i in (0, 1) for m in ("qkv", "proj")}, split

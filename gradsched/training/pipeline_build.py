@@ -6,6 +6,7 @@ this room never imports the public API above it.
 """
 from __future__ import annotations
 
+import fnmatch
 import types
 import warnings
 from dataclasses import dataclass
@@ -58,6 +59,22 @@ def check_options(model: nn.Module, plan: ParallelPlan, options: SyncOptions, st
                          "use shard=True).")
     if staging.stages_per_rank > 1:
         refuse_with_several_stages(options, plan)
+    if options.tp_plan:
+        check_tp_plan(model, plan, options.tp_plan)
+
+
+def check_tp_plan(model: nn.Module, plan: ParallelPlan, tp_plan: dict) -> None:
+    """tp_plan's patterns each name a module of the model that holds parameters, at tp > 1 (a typo would
+    otherwise leave the found roles in place without a word)."""
+    if plan.tp == 1:
+        raise ValueError(f"gradsched option tp_plan={tp_plan!r} overrides tensor parallelism's roles, but the plan "
+                         "has tp=1: leave it out, or use ParallelPlan.from_world(tp=...).")
+    modules = [n for n, m in model.named_modules() if next(m.parameters(recurse=False), None) is not None]
+    for pattern in tp_plan:
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in modules):
+            raise ValueError(f"gradsched option tp_plan: {pattern!r} names no module of {type(model).__name__} that "
+                             f"holds parameters (they are named like {modules[:3]}); patterns are fnmatch's, "
+                             "e.g. 'model.layers.*.mlp.down_proj'.")
 
 
 class Split(NamedTuple):

@@ -24,6 +24,9 @@ import torch
 import torch.fx as fx
 
 from gradsched.passes.tp_layouts import TensorParallelError
+from gradsched.sync.compile import compile_graph
+from gradsched.tp.collectives import gather_output
+from gradsched.tp.local_graph import compile_local, tensor_parallel_spec
 from gradsched.training import loss_weights
 
 
@@ -61,21 +64,18 @@ class VocabParallelLoss:
         return fn
 
     def _gathered_loss(self, out, target, keep, weight):
-        from gradsched.tp.collectives import gather_output
         tp = self.plan.tp
         whole = gather_output(out, self.outputs[0], self.plan.process_group("tp").group_name, tp, self.plan.index("tp"))
         return loss_weights.gated(self.loss_fn, whole, target, keep, weight)
 
     def _split_loss(self, out, target, keep, weight):
-        from gradsched.sync.compile import compile_graph
-        from gradsched.tp.local_graph import compile_local, tensor_parallel_spec
         tp, dim = self.plan.tp, self.outputs[0]
         shape = list(out.shape)
         shape[dim] *= tp
         whole = torch.empty(shape, dtype=out.dtype, device="meta", requires_grad=True)
         gm, order = _trace(self.loss_fn, (whole, target.to("meta"), keep.to("meta"), weight.to("meta")), out.device)
-        seq = out.shape[-2] if out.dim() > 1 else tp  # no sequence collective runs in a loss graph
-        spec = dataclasses.replace(tensor_parallel_spec(self.plan, seq), vocab_inputs=(order.index(0),))
+        # no value of a loss graph is split along the sequence: any length tp divides will do
+        spec = dataclasses.replace(tensor_parallel_spec(self.plan, tp), vocab_inputs=(order.index(0),))
         inner = lambda g, ins: compile_graph(g, ins, self.compiler)  # noqa: E731
         example = [out.detach().requires_grad_(out.requires_grad), target, keep, weight]
         forward = compile_local(gm, [example[i] for i in order], spec, inner).forward
