@@ -347,21 +347,27 @@ def damaged_load_messages(rank, world, cases, step_after_ok: bool = True):
 
 def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
     """pp1 x dp2: rank 1 is SIGKILLed, SIGSTOPped, raises, or issues one extra all-reduce inside the optimizer's
-    parameter all-gather of the first step. Returns "finished" (it should not)."""
+    parameter all-gather of the first step; or ("raised_on_the_store_host") rank 0 raises there while rank 1
+    reads posted failures 3 s late. Returns "finished" (it should not)."""
     import os
     import signal
+    import time
     import gradsched.training.optimizer as optimizer
     from tied_training import batch, build_model
+    import gradsched.sync.peers as peers
     if fault == "stopped":  # the same watchdog, with a shorter patience than production's 10 s + 5 s
-        import gradsched.sync.peers as peers
         import gradsched.sync.watchdog as watchdog
         peers.DEAD_AFTER_S, watchdog.GRACE_S = 3.0, 2.0
+    faulty_rank = 0 if fault == "raised_on_the_store_host" else 1
+    if fault == "raised_on_the_store_host" and rank == 1:  # a busy peer: it reads what others posted 3 s late
+        fetch = peers.fetch_failures
+        peers.fetch_failures = lambda j: (time.sleep(3.0), fetch(j))
     job = Job(pp=1, dp=2, steps=1, options={"compiler": "eager", "fault_timeout_s": timeout_s})
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2), loss_fn=lm_loss,
                                   **job.options)
     opt = gradsched.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
-    if rank == 1:
+    if rank == faulty_rank:
         gather = optimizer._all_gather
 
         def faulty(out, x, group):
@@ -369,8 +375,8 @@ def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
                 os.kill(os.getpid(), signal.SIGKILL)
             if fault == "stopped":  # alive and silent: the launcher kills it at its deadline
                 os.kill(os.getpid(), signal.SIGSTOP)
-            if fault == "raised":
-                raise RuntimeError("injected on rank 1")
+            if fault.startswith("raised"):
+                raise RuntimeError(f"injected on rank {rank}")
             torch.distributed.all_reduce(torch.zeros(3), group=group)  # "extra": its peer never issues it
             return gather(out, x, group)
         optimizer._all_gather = faulty

@@ -44,6 +44,15 @@ def test_a_raising_rank_posts_its_error_and_its_peer_names_it():
     assert "rank 1 (pp=0/1, dp=1/2, cp=0/1) failed: RuntimeError: injected on rank 1" in peer[1], peer[1]
 
 
+def test_the_store_host_failing_waits_until_its_peer_has_read_why():
+    # rank 0's process hosts the job's store; its peer reads what was posted 3 s late (a busy rank). A fixed
+    # pause before rank 0 ended (1 s) lost the reason: the peer's error then said only that the store was gone
+    (raised, peer), _ = run("raised_on_the_store_host")
+    assert raised[1].startswith("RuntimeError: injected on rank 0")
+    assert peer[1].startswith("CollectiveFault: rank 1/2"), peer[1]
+    assert "The peers: rank 0 (pp=0/1, dp=0/2, cp=0/1) failed: RuntimeError: injected on rank 0" in peer[1], peer[1]
+
+
 def test_a_collective_issued_on_one_rank_only_ends_both_within_the_fault_timeout():
     (peer, extra), seconds = run("extra")
     # each rank either found the stall itself (every rank's position listed) or, blocked on the stalled

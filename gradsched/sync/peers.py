@@ -149,10 +149,11 @@ def report(j, ranks=None, since: float | None = None) -> str:
     with j.lock:
         failures = dict(j.failures)
     posted = {r: f for r, f in failures.items() if since is None or f[0] >= since - 2.0}  # not an earlier, caught one
-    bad = [f"rank {r}{where_suffix(posted[r][2])} {posted[r][1]}" if r in posted else
-           f"rank {r}{where_suffix((now[r] or {}).get('where'))} {state(j, r, now[r])}" for r in ranks
-           if r in posted or faulty(j, r, now[r])]
-    return "; ".join(bad)
+    named = [r for r in ranks if r in posted or faulty(j, r, now[r])]
+    # what peers posted first, the store's host gone last: a message's first words say who failed
+    named.sort(key=lambda r: 0 if r in posted else 2 if (now[r] or {}).get("store_gone") else 1)
+    return "; ".join(f"rank {r}{where_suffix(posted[r][2])} {posted[r][1]}" if r in posted else
+                     f"rank {r}{where_suffix((now[r] or {}).get('where'))} {state(j, r, now[r])}" for r in named)
 
 
 STORE_HOST = "gradsched/store_host"  # {"pid", "host_id"} of the process hosting the store, when it is rank 0's

@@ -51,6 +51,7 @@ GRACE_S = 5.0  # after a peer is found gone, how long a rank still blocked in an
 STORE_TIMEOUT_S = 5.0
 STALL_EXIT_CODE = 3
 KEPT = 8  # entries printed per rank
+HOLD_S = 10.0  # at most this long the store's host, ending after a fault, waits for its peers to fetch it
 
 
 class CollectiveFault(RuntimeError):
@@ -134,9 +135,10 @@ class _Journal:
                     type(exc).__name__ == "CollectiveMismatch":
                 raise  # named already
             if is_comm_error(exc):
-                if cause := _known_cause():  # e.g. the ranks ran different collectives (agreement)
-                    raise cause[0](cause[1]) from exc
-                raise CollectiveFault(self.diagnose(e, exc)) from exc
+                cause = _known_cause()  # e.g. the ranks ran different collectives (agreement)
+                fault = cause[0](cause[1]) if cause else CollectiveFault(self.diagnose(e, exc))
+                hold_the_store(self)  # rank 0: its process ends with this error, and the store with it
+                raise fault from exc
             if len(self.open) == 1:  # this rank's own error, leaving gradsched: the peers will ask why
                 post_failure(exc)
             raise
@@ -174,7 +176,7 @@ class _Journal:
                 "patient": self.compiling > 0 or any(o.kind in stuck.PATIENT_KINDS for o in opened),
                 "last": {"what": last.what, "state": last.state} if last is not None else None,
                 "last_age_s": now - (last.ended or now) if last is not None else None,
-                "counts": self.counts or [], "idle_s": now - self.counts_moved,
+                "counts": self.counts or [], "idle_s": now - self.counts_moved, "fetched": self.fetched,
                 "seqs": {str(list(k)): stuck.sequence_number(pg) for k, pg in list(self.groups.items())}}
 
 
@@ -204,8 +206,7 @@ def post_failure(exc: BaseException) -> None:
     exc = own_error(exc) or exc  # gradsched's own error, not the wrapper Dynamo or pipelining put around it
     text = str(exc).strip()
     _post(JOURNAL, f"{type(exc).__name__}: {text.splitlines()[0][:300]}" if text else type(exc).__name__)
-    if JOURNAL.store is not None and dist.is_initialized() and dist.get_rank() == 0:
-        time.sleep(2 * INTERVAL_S)
+    hold_the_store(JOURNAL)
 
 
 def _post(j: _Journal, why: str) -> None:
@@ -214,6 +215,26 @@ def _post(j: _Journal, why: str) -> None:
     _publish(j)
     if j.store is not None and dist.is_initialized():
         peers.append(j, [dist.get_rank(), f"failed: {why}", j.where, "error", j.beat])
+
+
+def hold_the_store(j: _Journal, timeout_s: float = HOLD_S) -> None:
+    """On the rank whose process hosts the job's store (rank 0, without torchrun's agent store), about to end
+    after a fault: wait until every peer has fetched every failure posted so far (its status's `fetched`), or is
+    gone, at most `timeout_s`. A peer that fails later, once the store is gone, still names who failed first from
+    what it fetched; a fixed sleep let a busy peer miss it. Elsewhere, or with nothing posted, returns at once."""
+    if j.store is None or not dist.is_initialized() or dist.get_rank() != 0 or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(Exception):
+        posted = j.store.add("gradsched/failures", 0)
+        others = [r for r in range(dist.get_world_size()) if r != 0]
+        while posted and others and time.monotonic() < deadline:
+            now = peers.statuses(j, others)
+            others = [r for r in others if now[r] is not None and not now[r].get("store_gone") and
+                      not peers.process_gone(now[r]) and now[r].get("fetched", 0) < posted]
+            if others:
+                time.sleep(INTERVAL_S / 5)
 
 
 def _publish_now(j: _Journal) -> None:
@@ -294,7 +315,10 @@ def _check(j: _Journal) -> None:
     _publish(j)
     stuck.answer_stack_request(j, dist.get_rank(), _end)
     _watch_neighbour(j)
+    fetched = j.fetched
     peers.fetch_failures(j)
+    if j.fetched != fetched:  # said at once: the store's host may be waiting for it to end (hold_the_store)
+        _publish(j)
     opened = list(j.open)  # the main thread opens and closes entries meanwhile
     if opened and _blocked_on_the_gone(j, opened[0]):
         return
@@ -362,8 +386,7 @@ def _end(j: _Journal, report: str, post_all: bool | None = True) -> None:
     for callback in j.on_fault:
         with contextlib.suppress(Exception):
             callback(report)
-    if dist.get_rank() == 0:  # it hosts the store: the peers read this report there first
-        time.sleep(4 * INTERVAL_S)
+    hold_the_store(j)  # rank 0 hosts the store: the peers read this report there first
     os._exit(STALL_EXIT_CODE)
 
 
