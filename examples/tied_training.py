@@ -200,7 +200,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     grads = None
     per_rank = job.global_batch // job.dp
     losses, times, code, norms = [], [], [], []
-    reads = []
+    reads, value_reads = [], []
     for step in range(job.steps):
         x, y = batch(job, step)
         sl = slice(dp_idx * per_rank, (dp_idx + 1) * per_rank)
@@ -219,6 +219,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
             opt.step()
             opt.zero_grad()
         reads += [r.text() for r in seen.unexpected()] if seen is not None else []
+        if seen is not None:  # every read but torch's optimizers' step counters (kept on the CPU)
+            value_reads.append([r.where() for r in seen.all if "torch/optim/" not in r.where()])
         if norm is not None:
             norms.append(norm.item())
         times.append(time.perf_counter() - t0)
@@ -249,7 +251,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         # a tied weight's copy the split leaves on a stage that never reads it (stage 0 keeps the head's): released
         "stale_bytes": sum(t.untyped_storage().nbytes() for n, t in model.model_state.trained_module().named_parameters(
             remove_duplicate=False) if n in model.model_state.stale_names()),
-        "code": code, "grads": grads, "last_grads": last_grads, "reads": reads,
+        "code": code, "grads": grads, "last_grads": last_grads, "reads": reads, "value_reads": value_reads,
         "sync_graph_ops": [str(n.target) for sg in sync.sync_graphs() for n in sg.gm.graph.nodes
                            if n.op == "call_function"],
         "sync_graph_buckets": {sg.where: [b.index for b in sg.layout.buckets] for sg in sync.sync_graphs()},

@@ -35,6 +35,14 @@ def test_steady_steps_3_to_5_read_no_device_value_on_the_host(name, inductor_run
         assert r["reads"] == [], f"{name}, stage {r['stage']}:\n" + "\n".join(r["reads"])
 
 
+@pytest.mark.parametrize("name", list(RECORDED))
+def test_steady_steps_3_to_5_read_one_value_each_at_most(name, inductor_runs):
+    # the non-finite flags' read, which the agreement's check now rides on too (it read each graph's digests)
+    for r in inductor_runs[RECORDED[name]]:
+        assert len(r["value_reads"]) == 3 and all(len(step) <= 1 for step in r["value_reads"]), \
+            f"{name}, stage {r['stage']}: {r['value_reads']}"
+
+
 def test_one_added_item_inside_a_step_is_caught_with_its_line(inductor_runs):
     for r in inductor_runs[RECORDED["pp2_dp2_shard_true"]]:  # the label count runs on the last stage
         assert (len(r["injected"]) >= 1) == (r["stage"] == 1), r["injected"]

@@ -11,13 +11,14 @@ When the op reads the gathered digests:
 - a digest's first run on this rank (a new graph: the first step, or a recompile) reads them at once and
   raises CollectiveMismatch before the graph issues any of the group's collectives; a rank that
   recompiles alone into other collectives therefore never issues them.
-- after that it reads nothing: it queues a copy to the host (pinned, non-blocking on a GPU) and returns
-  NaN instead of zero when the digests differ, computed on the device, so no mismatched collective's
-  result is a finite number. The copies are compared on the host (`settle`): before the rank's next
-  compiled graph runs (those whose copy has arrived), at the step's end after its one read (all of
-  them: the optimizer applies nothing before), on a failed collective, and by the watchdog when a
-  collective stalls. A step that agrees thus costs one 8-byte all-gather per group per graph run and
-  no wait for the device.
+- after that it reads nothing: it returns NaN instead of zero when the digests differ, computed on the
+  device, so no mismatched collective's result is a finite number, and adds the same zero or NaN to the
+  step's flag (`take_step_flag`), which the step's one read at its end (gradsched.sync.nonfinite.check)
+  reads with the rest: a step whose digests agree reads nothing more. It also queues a copy of the
+  digests to the host (pinned, non-blocking on a GPU), compared there (`settle`) only to name a
+  mismatch: when that read found the step non-finite, on a failed collective, by the watchdog when a
+  collective stalls, and before a plain torch optimizer steps (the backend by name). A step that agrees
+  thus costs one 8-byte all-gather per group per graph run, no wait for the device and no host read.
 """
 from __future__ import annotations
 
@@ -37,12 +38,13 @@ from gradsched.sync.fingerprint import CollectiveMismatch, describe, first_diffe
 from gradsched.sync.peers import KNOWN_CAUSES
 
 READ_TIMEOUT_S = 5.0  # a peer's published sequence: written long before, at its compile
-MAX_PENDING = 4096  # copies noted and not yet compared: past this, wait for the device and compare
+MAX_PENDING = 4096  # copies noted and not yet dropped or compared: past this, wait for the device and compare
 _OWN: dict[tuple[str, int], dict] = {}  # (group, digest) -> what this rank published
 _READ: set[tuple[str, int]] = set()  # (group, digest) whose first run read the peers' digests at once
 _PENDING: list[_Noted] = []  # copies of gathered digests not yet compared, oldest first
 _LOCK = threading.Lock()  # over _PENDING: the watchdog's thread reads it too
 _HOOK: list = []  # the optimizer step pre-hook (settle) once installed
+_FLAGS: dict = {}  # device -> the sum of this step's agree results there: zero, or NaN once digests differed
 
 
 @dataclass
@@ -67,7 +69,10 @@ def agree(gathered: torch.Tensor, digest: int, group: str) -> torch.Tensor:
         _READ.add((group, digest))
         return gathered.new_zeros((), dtype=torch.float32)
     _note(gathered, digest, group)
-    return torch.where((gathered == digest).all(), 0.0, float("nan")).to(torch.float32)
+    flag = torch.where((gathered == digest).all(), 0.0, float("nan")).to(torch.float32)
+    with _LOCK:
+        _FLAGS[flag.device] = flag.clone() if flag.device not in _FLAGS else _FLAGS[flag.device] + flag
+    return flag
 
 
 @agree.register_fake
@@ -103,7 +108,6 @@ class _Settling:
         self.run = run
 
     def __call__(self, args):
-        settle()
         try:
             return self.run(args)
         except Exception as e:
@@ -114,18 +118,36 @@ class _Settling:
         return getattr(self.run, name)
 
 
+def take_step_flag(device: torch.device) -> torch.Tensor | None:
+    """The sum, on `device`, of every agree result since the last call (zero, or NaN where digests differed), to
+    read with the step's other flags; None when no graph ran an agreement. Reads nothing."""
+    with _LOCK:
+        flags = [f.to(device) for f in _FLAGS.values()]
+        _FLAGS.clear()
+    return sum(flags[1:], flags[0]) if flags else None
+
+
+def forget() -> None:
+    """Drop the queued copies unread: the step's flag, read with its end, showed every digest agreed."""
+    with _LOCK:
+        _PENDING.clear()
+
+
 def settle(wait: bool = False) -> None:
     """Compare the digests gathered by earlier runs whose copy has reached the host (every one with
-    wait=True, waiting for the device: at a step's end); raise CollectiveMismatch at the first that differs."""
-    if not _PENDING:  # run before every compiled graph: most have nothing to compare
+    wait=True, waiting for the device); raise CollectiveMismatch at the first that differs."""
+    if not _PENDING:
         return
     with _LOCK:
-        ready = [n for n in _PENDING if wait or n.arrived()] if len(_PENDING) < MAX_PENDING else list(_PENDING)
+        ready = [n for n in _PENDING if wait or n.arrived()]
         _PENDING[:] = [n for n in _PENDING if not any(n is r for r in ready)]
     for n in ready:
         if n.done is not None:
             n.done.synchronize()
         _compare(n.host.tolist(), n.digest, n.group)
+    if wait:  # every digest compared and alike: the step's flag says nothing more
+        with _LOCK:
+            _FLAGS.clear()
 
 
 def known_mismatch(store=None) -> str | None:
@@ -168,6 +190,9 @@ def _note(gathered: torch.Tensor, digest: int, group: str) -> None:
         host, done = gathered.to("cpu"), None
     with _LOCK:
         _PENDING.append(_Noted(host, done, digest, group))
+        full = len(_PENDING) >= MAX_PENDING
+    if full:  # graphs run without a step's end (no optimizer step): compare now rather than keep them all
+        settle(wait=True)
 
 
 def _compare(found: list[int], digest: int, group: str, late: bool = True) -> None:

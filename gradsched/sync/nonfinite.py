@@ -291,10 +291,14 @@ def check(sync, on_nonfinite: str) -> bool:
         verdict = verdict + loss
     if own is not None:
         verdict = verdict + own
+    mismatch = agreement_check.take_step_flag(verdict.device)  # NaN where the ranks' collectives differed
+    if mismatch is not None:
+        verdict = verdict + mismatch
     bad = not bool(torch.isfinite(verdict))  # the step's one host read of a device value
-    agreement_check.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if not bad:
+        agreement_check.forget()  # every digest agreed: their host copies need no reading
         return True
+    agreement_check.settle(wait=True)  # the device is drained now: a mismatch of collectives explains any NaN first
     if on_nonfinite == "skip":
         return False
     if own is not None:  # every rank's reduced gradients are this rank's (reduced_alike)

@@ -94,7 +94,7 @@ def find(j, me: int, mine: dict, timeout_s: float, compile_timeout_s: float) -> 
     stuck = {}
     for q, st in roots.items():
         patience = compile_timeout_s if st.get("patient") else timeout_s
-        if st.get("idle_s", 0.0) >= patience:
+        if st.get("idle_s", 0.0) >= patience and not _in_a_stall(view, q):
             stuck[q] = st
     if not stuck:
         return None
@@ -107,6 +107,26 @@ def find(j, me: int, mine: dict, timeout_s: float, compile_timeout_s: float) -> 
                      f"{st.get('idle_s', 0):.0f} s while rank {r} waits for it on group {_ranks(view, r, group)}"
                      f"{chain}; {position(st)}")
     return "; ".join(lines), sorted(stuck)
+
+
+def _in_a_stall(view, q: int) -> bool:
+    """Rank q waits in a collective whose group's every rank is alive and waits in one of the group's
+    collectives too, as many issued on each: a stall, which its ranks find and report themselves (`stall`),
+    naming every rank's position. Not a rank stuck outside its collectives: a rank waiting for it waits for
+    their reports (its own collective then fails, naming what they posted), rather than ending the rank."""
+    opened = (view.get(q) or {}).get("open") or {}
+    group = tuple(opened.get("group") or ())
+    if opened.get("kind") != "collective" or not group:
+        return False
+    seqs = set()
+    for r in group:
+        st = view.get(r)
+        theirs = (st or {}).get("open") or {}
+        if st is None or st.get("store_gone") or peers.gone(view.j, r, st) or theirs.get("kind") != "collective" \
+                or tuple(theirs.get("group") or ()) != group:
+            return False
+        seqs.add((st.get("seqs") or {}).get(str(list(group))))
+    return len(seqs) == 1 and None not in seqs
 
 
 def _ranks(view, r, group) -> list:

@@ -29,8 +29,6 @@ METHODS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "c
 EXPECTED = {
     ("torch/optim/optimizer.py", "_get_value"): "torch's optimizers keep state['step'] on the CPU",
     ("gradsched/sync/nonfinite.py", "check"): "gradsched's one read a step, at its end: the non-finite flags",
-    ("gradsched/sync/agreement_check.py", "settle"): "the agreement's digests, copied to the host without waiting (pinned "
-                                               "memory; an event says they arrived)",
 }
 
 
