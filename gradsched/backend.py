@@ -245,8 +245,16 @@ def _compile(gm, example_inputs, options, grad_sync, plan, tp_shards, vocab_outp
         if opts.shard == "params":
             names.update(_param_placeholders(fw_gm, params))
             return grad_sync.register_forward(fw_gm, fw_inputs, names, {n: p for n, p in params.values()})
-        return compile_graph(fw_gm, fw_inputs, compiler,
-                             agree=f"the forward graph of stage {grad_sync.setup.stage}" if opts.check_ranks else None)
+        fn = compile_graph(fw_gm, fw_inputs, compiler,
+                           agree=f"the forward graph of stage {grad_sync.setup.stage}" if opts.check_ranks else None)
+        if not opts.shard:
+            return fn
+
+        def after_the_gather(args):  # shard=True: the optimizer's last all-gather lands before its parameters are read
+            grad_sync.finish_param_gather()
+            return fn(args)
+        after_the_gather._boxed_call = True
+        return after_the_gather
 
     from torch._inductor.decomposition import select_decomp_table
     compiled = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler, decompositions=select_decomp_table(),

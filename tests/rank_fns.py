@@ -74,6 +74,7 @@ def decorated_class(rank, world, job: Job):
         x, y = make_batch(job.global_batch, job.config, seed=job.seed + 1 + step)
         model.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
         opt.step()
+    opt.finish_param_gather()  # the parameters' tensors are read directly below
     sync = model.grad_sync
     return {"rank": rank, "stage": plan.stage, "dp_idx": dp_idx, "ties": [t.members for t in sync.ties.values()],
             "params": {n: p.detach().clone() for n, p in sync.params.items()}}
@@ -132,6 +133,7 @@ def bf16_parameters_gathered_in_bf16(rank, world):
     x, y = make_batch(4, TinyGPT().config, seed=1)
     model.train_step(x[rank * 2:(rank + 1) * 2], y[rank * 2:(rank + 1) * 2])
     opt.step()
+    opt.finish_param_gather()  # the parameters' tensors are read directly below
     exact = True
     sync = model.grad_sync
     for pc, master in zip(opt.pieces, opt.masters):  # each piece of this rank's shards, from its fp32 master
@@ -383,6 +385,7 @@ def fault_in_the_optimizers_gather(rank, world, fault: str, timeout_s: float):
     x, y = batch(job, 1)
     model.train_step(x[rank::2], y[rank::2])
     opt.step()
+    opt.finish_param_gather()  # where the next forward would wait for the gather step() issued
     return "finished"
 
 

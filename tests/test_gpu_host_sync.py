@@ -24,8 +24,10 @@ def sync_is_an_error():
         torch.cuda.set_sync_debug_mode(0)
 
 
-@pytest.mark.parametrize("shard", [True, "params"], ids=["shard", "params"])
-def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard):
+@pytest.mark.parametrize("shard,cp", [(True, 1), ("params", 1), ("params", 2)], ids=["shard", "params", "cp2_params"])
+def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard, cp):
+    # cp2: attention over the sequence's halves (all-gathered keys and values: the fake group moves nothing, so
+    # its values are not the model's, and a step they make non-finite is skipped, which reads nothing more either)
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -47,11 +49,12 @@ def test_steady_steps_never_wait_for_the_gpu_but_at_their_end(monkeypatch, shard
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch._dynamo.reset()
-        job = Job(pp=1, dp=2, steps=5)
+        job = Job(pp=1, dp=2 // cp, cp=cp, steps=5)
         model, _ = build_model(job)
-        model = gradsched.parallelize(model.cuda(), plan=gradsched.ParallelPlan.from_world(pp=1, dp=2),
+        cp_options = {"comm": "allgather", "on_nonfinite": "skip"} if cp > 1 else {}
+        model = gradsched.parallelize(model.cuda(), plan=gradsched.ParallelPlan.from_world(pp=1, dp=2 // cp, cp=cp),
                                       loss_fn=lm_loss, microbatches=4, compiler="inductor", shard=shard,
-                                      check_ranks=False)
+                                      check_ranks=False, **cp_options)
         opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.1)
         for step in range(job.steps):
             x, y = (t[:4].cuda() for t in batch(job, step))  # waits (pageable memory): outside the step
@@ -73,6 +76,7 @@ def test_the_agreement_after_its_first_run_queues_its_check_without_waiting_and_
     with sync_is_an_error():
         zero = torch.ops.gradsched.agree(same, 1234, "a group")
         nan = torch.ops.gradsched.agree(differing, 1234, "a group")
-    assert zero.item() == 0.0 and torch.isnan(nan).item()
+        flag = agreement_check.take_step_flag(torch.device("cuda"))  # what the step's one read adds to its flags
+    assert zero.item() == 0.0 and torch.isnan(nan).item() and torch.isnan(flag).item()
     with pytest.raises(CollectiveMismatch, match=r"gathered \[1234, 99\]"):
         agreement_check.settle(wait=True)

@@ -106,10 +106,15 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
     # tests/test_entry_points.py)
     "inductor_pp2_dp2_zbv_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, bucket_mb=0.004,
                                                  steps=5, host_reads=STEADY, compiler="inductor"),
-    # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code
+    # shard="params" with many small buckets: each gathered one bucket ahead in the compiled code; under GPipe
     "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
                                                     steps=5, host_reads=STEADY, capture_code=True,
-                                                    compiler="inductor"),
+                                                    schedule="gpipe", compiler="inductor"),
+    # the looped schedules of two stages a rank: interleaved 1F1B (the tie across the ranks), DualPipeV (in a V)
+    "inductor_pp2_dp2_interleaved_1f1b_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
+                                                compiler="inductor"),
+    "inductor_pp2_dp2_dualpipev_clip_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
+                                              compiler="inductor"),
     # (all-to-all under Inductor: tests/test_masked_attention.py compiles the masked hybrid, all-to-all and ring,
     # against fp64; shard=False under Inductor: tests/test_entry_points.py)
     # (the plain layout's causal ring, where ranks do unequal work, keeps every collective in each rank's compiled

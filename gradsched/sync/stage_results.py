@@ -36,6 +36,7 @@ class StageResults:
         """The stage's parameters by name, whole and detached. Under shard="params" they are gathered from
         the shards into new tensors (a collective: every rank of the gradient group calls it), since the
         parameters' own storage is released."""
+        self.finish_param_gather()
         if self.param_shards is None:
             return {n: p.detach() for n, p in self.params.items()}
         return self.param_shards.gathered(process_group(self.setup.grad_group))

@@ -83,6 +83,9 @@ def _skipped(model, writing: bool) -> set[str]:
 def model_tensors(model, writing: bool) -> dict[str, torch.Tensor]:
     """name in the checkpoint -> this rank's tensor (parameters and persistent buffers) to write or
     to read into."""
+    sync = find_sync(model)
+    if sync is not None:  # shard=True: the last step's parameter all-gather lands before they are written or read into
+        sync.finish_param_gather()
     canon, skip = canonical_names(model), _skipped(model, writing)
     meta = [k for k, v in trained_module(model).state_dict(keep_vars=True).items() if v.is_meta]
     if meta:  # a load would copy into nothing, and the first step's initialization would then overwrite it

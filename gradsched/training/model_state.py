@@ -56,7 +56,10 @@ class ModelState:
         return {n for t in self.ties for s, n in t.members if s not in self.local} - mine
 
     def named_parameters(self):
-        """This rank's parameters, each once, with the values it trains (under tp > 1 its TP shards, once cut)."""
+        """This rank's parameters, each once, with the values it trains (under tp > 1 its TP shards, once cut);
+        under shard=True the last step's parameter all-gather lands first (a wait, no new collective)."""
+        if self.grad_sync is not None:
+            self.grad_sync.finish_param_gather()
         stale = self.stale_names()
         return ((n, self.trained(p)) for n, p in self.trained_module().named_parameters() if n not in stale)
 
@@ -86,9 +89,11 @@ class ModelState:
         """This rank's module's state dict, whole: under shard="params" its parameters gathered over dp x cp (their
         own storage is released: read, they would read memory they no longer own), under tp > 1 its TP shards
         gathered over TP (every TP rank calls it)."""
+        sync = self.grad_sync
+        if sync is not None:  # shard=True: the last step's parameter all-gather lands first
+            sync.finish_param_gather()
         module = self.trained_module()
         local = module.state_dict()
-        sync = self.grad_sync
         params_sharded = sync is not None and sync.param_shards is not None
         if not params_sharded and self.tp_shards is None:
             return local

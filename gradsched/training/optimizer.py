@@ -21,7 +21,7 @@ from gradsched.training.param_groups import options_by_name
 from gradsched.training.shards import owned_pieces
 from gradsched.sync import nonfinite
 from gradsched.sync.param_shards import all_gather
-from gradsched.training.model_state import find_sync, options_of, unsplit_module
+from gradsched.training.model_state import find_sync, options_of, state_of, unsplit_module
 from gradsched.sync.stage_setup import process_group
 from gradsched.sync.watchdog import JOURNAL
 from gradsched.tp.replica_check import check_tp_replicas
@@ -35,7 +35,7 @@ ELEMENTWISE = tuple(getattr(torch.optim, n) for n in (
 
 
 def _all_gather(out, x, group):  # a name of this module's: tests delay or break it here
-    all_gather(out, x, group)
+    return all_gather(out, x, group, async_op=True)
 
 
 class DistributedOptimizer:
@@ -151,6 +151,8 @@ class DistributedOptimizer:
                     sync.param_shards.write(pc.bucket, pc.at, master.detach())
         else:
             self._gather(sync)
+            if state_of(self.model) is None:  # compiled by backend name: its user reads the parameters' tensors
+                sync.finish_param_gather()  # directly, where nothing lands the gather first (a parallel model does)
         return self._applied(sync)
 
     def _applied(self, sync) -> bool:
@@ -162,7 +164,11 @@ class DistributedOptimizer:
 
     def _gather(self, sync) -> None:
         """Write the stepped masters back into every rank's parameters: per bucket, this rank's shard
-        in the plan's gather dtype (the parameters' own: bf16 is half the bytes of fp32), all-gathered."""
+        in the plan's gather dtype (the parameters' own: bf16 is half the bytes of fp32), all-gathered.
+        Off the critical path, as FSDP2 and Megatron's overlap_param_gather do: each bucket's all-gather is
+        issued without waiting; its wait, and its copy into the parameters, come when something next reads
+        them (GradSync.finish_param_gather: the next forward graph, a checkpoint, full_parameters)."""
+        sync.finish_param_gather()  # two steps without a forward between: the first's gather lands first
         plan, params = sync.sync_plan, sync.params
         pg, shards = process_group(plan.grad_group), len(plan.grad_group.ranks)
         if self._gathers is None:  # made once a build: views and buffers made every step cost host time
@@ -175,13 +181,22 @@ class DistributedOptimizer:
         if self._gathers and isinstance(self._gathers[0], torch.Tensor):  # the direct writes
             torch._foreach_copy_(self._gathers, self.masters)
             return
+        issued = []
         for g in self._gathers:
             if g.sources:  # one call for the bucket's pieces (a copy each, cast to the gather dtype)
                 torch._foreach_copy_(g.pieces, g.sources)
-            with JOURNAL.entry(f"the optimizer's parameter all-gather, bucket {g.index}", "collective", pg,
-                               "all_gather", g.full.numel(), g.full.dtype):
-                _all_gather(g.full, g.mine, pg)
-            torch._foreach_copy_(g.slots, g.views)
+            with JOURNAL.entry(_gather_name(g), "collective", pg, "all_gather", g.full.numel(), g.full.dtype):
+                issued.append((g, _all_gather(g.full, g.mine, pg)))
+        sync.pending_gather = lambda: _land(issued, pg)
+
+    def finish_param_gather(self) -> None:
+        """Under shard=True, for a parallel model, the step's parameter all-gather is still in flight when step()
+        returns; the next forward, a checkpoint, its parameters() or state_dict() land it. Code reading the
+        parameters' tensors directly in between calls this first. A wait, no new collective. (A model compiled by
+        backend name has its gather landed by step() itself.)"""
+        sync = find_sync(self.model)
+        if sync is not None:
+            sync.finish_param_gather()
 
     def zero_grad(self, set_to_none: bool = True):
         if self.optimizer is not None:
@@ -200,6 +215,21 @@ class DistributedOptimizer:
 
     def load_state_dict(self, state):
         self.state_dict()  # the same answer
+
+
+def _gather_name(g) -> str:
+    return f"the optimizer's parameter all-gather, bucket {g.index}"
+
+
+@torch.no_grad()
+def _land(issued: list, pg) -> None:
+    """Wait for each bucket's all-gather in issue order and copy it into the parameters (a bucket's copy
+    overlaps the later buckets' gathers still in flight)."""
+    for g, work in issued:
+        if work is not None:  # None: done already (a synchronous gather)
+            with JOURNAL.entry(_gather_name(g), "collective", pg, "all_gather", g.full.numel(), g.full.dtype):
+                work.wait()
+        torch._foreach_copy_(g.slots, g.views)
 
 
 class _BucketGather:
