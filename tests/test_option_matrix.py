@@ -84,12 +84,6 @@ CASES = {
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4,
                                              bucket_mb=0.004),
-    # a Hugging Face Llama in a V: its rotary embeddings, computed in stage 0 for every layer, passed through;
-    # small buckets: each stage's reduced early, while the rank's other stage computes
-    "pp2_dp2_zbv_hf_llama_small_buckets_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw",
-                                                 labels="padded", schedule="zbv", config=GPTConfig(layers=4),
-                                                 hf_stages=4, options={"compiler": "eager", "microbatches": 4,
-                                                                       "bucket_mb": 0.004}),
 }
 
 STEADY = (2, 3, 4)  # steps 3 to 5, after warm-up: tests/test_host_reads.py reads what they read on the host
@@ -115,6 +109,12 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                 compiler="inductor"),
     "inductor_pp2_dp2_dualpipev_clip_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
                                               compiler="inductor"),
+    # a Hugging Face Llama in a V, under Inductor: its rotary embeddings, computed in stage 0 for every layer,
+    # passed through; small buckets: each stage's reduced early, while the rank's other stage computes
+    "inductor_pp2_dp2_zbv_hf_llama_small_buckets_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw",
+                                                          labels="padded", schedule="zbv", config=GPTConfig(layers=4),
+                                                          hf_stages=4, options={"compiler": "inductor",
+                                                                                "microbatches": 4, "bucket_mb": 0.004}),
     # (all-to-all under Inductor: tests/test_masked_attention.py compiles the masked hybrid, all-to-all and ring,
     # against fp64; shard=False under Inductor: tests/test_entry_points.py)
     # (the plain layout's causal ring, where ranks do unequal work, keeps every collective in each rank's compiled
@@ -228,7 +228,7 @@ def stage_of(split_points: list, name: str) -> int:
 def test_in_a_v_a_stages_buckets_reduce_while_the_ranks_other_stage_still_computes(eager_runs, inductor_runs):
     runs = {**eager_runs, **inductor_runs}
     for name in ("pp2_dp2_zbv_adamw_small_buckets_m4", "pp2_cp2_dualpipev_fp32_blocks_m4", "inductor_pp2_dp2_zbv_small_buckets_m4",
-                 "pp2_dp2_zb1p_two_stages_a_rank_m4", "pp2_dp2_zbv_hf_llama_small_buckets_m4"):  # (looped: its ties across the ranks wait for the flush)
+                 "pp2_dp2_zb1p_two_stages_a_rank_m4", "inductor_pp2_dp2_zbv_hf_llama_small_buckets_m4"):  # (looped: its ties across the ranks wait for the flush)
         for r in runs[name]:
             assert "early0" in r["sync_graph_buckets"], (name, r["sync_graph_buckets"])
             # the first step plans them at its flush, where they run; every later step issues them when one of the
