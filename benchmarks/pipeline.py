@@ -94,7 +94,7 @@ def split_for(model, job: Job, a) -> tuple:
     x, y = batch(job, 0)
     candidates = [f"blocks.{i}" for i in range(1, CONFIG.layers)]
     return gradsched.balanced_split_points(model, (x[:1],), y[:1], lm_loss, candidates, a.pp, job.schedule,
-                                           compiler=a.compiler)
+                                           compiler=a.compiler, microbatches=a.microbatches)
 
 
 def _gradsched(rank, schedule: str, a) -> dict:

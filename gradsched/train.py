@@ -319,7 +319,8 @@ def train(args) -> int:
         stack = points[0].rsplit(".", 1)[0]
         points = list(gradsched.balanced_split_points(model, (x[:mb],), y[:mb], next_token_loss,
                                                       [f"{stack}.{i}" for i in range(1, layers)], args.pp, schedule,
-                                                      compiler=args.compiler))  # timed as the stages will run
+                                                      compiler=args.compiler,  # timed as the stages will run
+                                                      microbatches=args.microbatches))
     model = gradsched.parallelize(model, plan=plan, loss_fn=next_token_loss,
                                   split_points=points,
                                   microbatches=args.microbatches, schedule=args.schedule, compiler=args.compiler,

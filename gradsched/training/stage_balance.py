@@ -13,7 +13,12 @@ micro-batch forward, the loss and the backward through the pieces in turn, and t
 few runs, the device synchronised around each). Every rank measures; the times are averaged over the ranks (one
 all-reduce, which also tells every rank whether one failed), and rank 0's choice is broadcast. `choose_stages` is plain arithmetic: of the ways to cut the
 pieces into stages (contiguous), the one whose busiest rank (the sum of its stages, by `stage_ranks`) is the
-least, then whose largest stage is the least.
+least, then whose largest stage is the least. Under several stages a rank (a V, looped schedules) the busiest
+rank's sum is not the step: which rank waits for which depends on the schedule's order (a V's order assumes its
+four stages equal). There each piece is timed as F, B (its inputs' gradient) and W, and the cut whose step,
+simulated in the schedule's own order (gradsched.training.schedule_simulation), is shortest wins; the first and
+last stages may then hold fewer blocks, for the embedding and the head (Megatron's
+num_layers_in_first/last_pipeline_stage, chosen here from measurements).
 """
 from __future__ import annotations
 
@@ -27,20 +32,24 @@ import torch.distributed as dist
 
 from gradsched.training.pipeline_split import check_stage_count, pass_through_skips
 from gradsched.training.pipeline_schedule import SCHEDULES, stage_assignment
+from gradsched.training.schedule_simulation import simulate_step
 from gradsched.training.virtual_stages import stage_ranks
 
 EXHAUSTIVE = 200_000  # cuts tried one by one up to this many; past it, the largest stage is minimised (exactly)
+SIMULATED = 5_000  # the same, when each cut's step is simulated (~0.2 ms each at pp 2)
 
 
 def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp: int, schedule: str = "1f1b",
                           stages_per_rank: int | None = None, repeats: int = 5,
-                          compiler: str = "eager") -> tuple[str, ...]:
+                          compiler: str = "eager", microbatches: int | None = None) -> tuple[str, ...]:
     """The pp x (stages a rank) - 1 names of `candidates` (in model order: the points where a stage may begin,
     e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
     micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
     process group is up), with real weights: it runs the model. compiler="inductor": each piece is timed as
     torch.compile runs it (Inductor speeds blocks more than an LM head: eager times then overload the ranks of
-    blocks), at the cost of compiling every piece once before the timed runs."""
+    blocks), at the cost of compiling every piece once before the timed runs. Under several stages a rank (V and
+    looped schedules) the cut is the one whose step, simulated in the schedule's own order over `microbatches`
+    (default 2 pp) from each piece's measured F, B and W, is shortest (gradsched.training.schedule_simulation)."""
     if compiler not in ("eager", "inductor"):
         raise ValueError(f"balanced_split_points: compiler={compiler!r}: 'eager' or 'inductor'.")
     if schedule not in SCHEDULES:
@@ -55,22 +64,32 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
                          f"({pp} ranks x {v}): give at least {len(ranks) - 1}.")
     _check_in_model_order(model, candidates)
     device = example[0].device
-    error, costs = None, torch.zeros(len(candidates) + 1, dtype=torch.float64, device=device)
+    error, costs = None, torch.zeros(len(candidates) + 1, 3, dtype=torch.float64, device=device)
     try:
         costs = measure_pieces(model, example, target, loss_fn, candidates, repeats, compiler)
     except Exception as e:  # noqa: BLE001 - agreed below, then raised: the other ranks would wait in the all-reduce
         error = e
     shared = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     if shared:  # the times averaged over the ranks, and whether any rank failed, in one collective
-        both = torch.cat([costs, torch.tensor([float(error is not None)], dtype=torch.float64, device=device)])
+        both = torch.cat([costs.reshape(-1), torch.tensor([float(error is not None)], dtype=torch.float64,
+                                                          device=device)])
         dist.all_reduce(both)
-        costs, failed = both[:-1] / dist.get_world_size(), both[-1].item()
+        costs, failed = (both[:-1] / dist.get_world_size()).reshape(-1, 3), both[-1].item()
         if error is None and failed:
             raise ValueError(f"balanced_split_points: {int(failed)} rank(s) could not run the model's pieces (their "
                              "own error says why); nothing was split.")
     if error is not None:
         raise error
-    starts = torch.tensor(choose_stages(costs.tolist(), ranks), dtype=torch.int64, device=device)
+    step = None
+    if v > 1:  # V and looped: the schedule's own order decides which rank waits (the busiest rank's sum does not)
+        f, b, w = (costs[:, k].tolist() for k in range(3))
+        m = microbatches or 2 * pp
+
+        def step(cut):
+            bounds = (0, *cut, len(f))
+            per_stage = [[sum(x[a:z]) for a, z in zip(bounds, bounds[1:])] for x in (f, b, w)]
+            return simulate_step(schedule, pp, v, m, *per_stage).step_s
+    starts = torch.tensor(choose_stages(costs.sum(1).tolist(), ranks, step), dtype=torch.int64, device=device)
     if shared:  # rank 0's choice, whatever the last bit of another rank's sums
         dist.broadcast(starts, src=0)
     return tuple(candidates[i - 1] for i in starts.tolist())
@@ -89,12 +108,13 @@ def _check_in_model_order(model, candidates) -> None:
                          "repeat one): list them in the order the model runs them.")
 
 
-def choose_stages(costs: list[float], ranks: list[int]) -> list[int]:
+def choose_stages(costs: list[float], ranks: list[int], step=None) -> list[int]:
     """Where each stage but the first begins (piece indices, ascending), cutting the pieces (`costs`, in order)
     into len(ranks) contiguous stages, stage s on rank ranks[s]: the busiest rank's load least, then the largest
-    stage least, then the earliest cuts. Every cut is tried up to EXHAUSTIVE of them; past that (e.g. 32 layers in
-    a V of 8 stages: 2.6M cuts) the cut whose largest stage is least, then each boundary moved one piece at a time
-    while that lowers the key: the least found that way, not always the least of all."""
+    stage least, then the earliest cuts; with `step` (cut -> a simulated step's seconds), the shortest step first.
+    Every cut is tried up to EXHAUSTIVE of them (SIMULATED with `step`); past that (e.g. 32 layers in a V of 8
+    stages: 2.6M cuts) the cut whose largest stage is least, then each boundary moved one piece at a time while
+    that lowers the key: the least found that way, not always the least of all."""
     n, k = len(costs), len(ranks)
     if not 1 <= k <= n:
         raise ValueError(f"{n} pieces cannot make {k} stages.")
@@ -108,22 +128,22 @@ def choose_stages(costs: list[float], ranks: list[int]) -> list[int]:
         load: dict = {}
         for s, r in enumerate(ranks):
             load[r] = load.get(r, 0.0) + stage[s]
-        return (max(load.values()), max(stage), tuple(cut))
+        return (step(cut) if step is not None else 0.0, max(load.values()), max(stage), tuple(cut))
 
-    if math.comb(n - 1, k - 1) <= EXHAUSTIVE:
-        return list(min((key(cut) for cut in itertools.combinations(range(1, n), k - 1)))[2])
+    if math.comb(n - 1, k - 1) <= (SIMULATED if step is not None else EXHAUSTIVE):
+        return list(min((key(cut) for cut in itertools.combinations(range(1, n), k - 1)))[-1])
     best = key(_least_largest_stage(prefix, k))
     improved = True
     while improved:
         improved = False
         for i in range(k - 1):
-            for step in (-1, 1):
-                cut = list(best[2])
-                cut[i] += step
+            for move in (-1, 1):
+                cut = list(best[-1])
+                cut[i] += move
                 low, high = (cut[i - 1] if i else 0), (cut[i + 1] if i < k - 2 else n)
                 if low < cut[i] < high and key(cut) < best:
                     best, improved = key(cut), True
-    return list(best[2])
+    return list(best[-1])
 
 
 def _least_largest_stage(prefix: list[float], k: int) -> list[int]:
@@ -148,9 +168,10 @@ def _least_largest_stage(prefix: list[float], k: int) -> list[int]:
 
 def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: int = 3,
                    compiler: str = "eager") -> torch.Tensor:
-    """[len(candidates) + 1] float64 seconds: each piece's forward and backward on one micro-batch (the last
-    piece with the loss), the least of `repeats` runs after one unmeasured (noise only adds time; under
-    compiler="inductor" it compiles each piece). The model's gradients are left as they were."""
+    """[len(candidates) + 1, 3] float64 seconds: each piece's forward (F), its inputs' gradient (B) and the rest of
+    its backward (W, the weights') on one micro-batch (the last piece with the loss), each the least of `repeats`
+    runs after one unmeasured (noise only adds time; under compiler="inductor" it compiles each piece). The
+    model's gradients are left as they were."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("balanced_split_points runs the model: build it with real weights (it was on the meta "
@@ -176,7 +197,9 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
     buffers = [(b, b.detach().clone()) for b in {id(b): b for m in (model, *pieces) for b in m.buffers()}.values()]
     device = example[0].device
     try:  # running statistics, the RNG and the gradients as they were (dropout, batch norm)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        # B is timed with the graph kept for the whole backward after it: Inductor's donated buffers forbid that
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
+                torch._functorch.config.patch(donated_buffer=False):
             runs = [_one_run(pieces, example, target, loss_fn, device) for _ in range(repeats + 1)][1:]
     finally:
         for p, g in kept:
@@ -184,7 +207,7 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
         with torch.no_grad():
             for b, was in buffers:
                 b.copy_(was)
-    return torch.tensor([min(r[i] for r in runs) for i in range(len(pieces))],
+    return torch.tensor([[min(r[i][k] for r in runs) for k in range(3)] for i in range(len(pieces))],
                         dtype=torch.float64, device=device)
 
 
@@ -205,18 +228,27 @@ def _one_run(pieces, example, target, loss_fn, device) -> list[float]:
         ins.append(args)
         outs.append(out)
         args = out
-    grads = None
+    grads, inputs_only, whole = None, [0.0] * len(pieces), [0.0] * len(pieces)
     for i in reversed(range(len(pieces))):
         pairs = [(o, g) for o, g in zip(outs[i], grads or [None] * len(outs[i]))
                  if isinstance(o, torch.Tensor) and o.requires_grad and (g is not None or grads is None)]
+        wanted = [a for a in ins[i] if isinstance(a, torch.Tensor) and a.requires_grad]
+        if pairs and wanted:  # the inputs' gradient alone (a zero-bubble schedule's B): autograd skips the weights'
+            _sync(device)
+            t0 = time.perf_counter()
+            torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs] if grads is not None else None,
+                                retain_graph=True, allow_unused=True)
+            _sync(device)
+            inputs_only[i] = time.perf_counter() - t0
         _sync(device)
         t0 = time.perf_counter()
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs] if grads is not None else None)
         _sync(device)
-        times[i] += time.perf_counter() - t0
+        whole[i] = time.perf_counter() - t0
         grads = [a.grad if isinstance(a, torch.Tensor) else None for a in ins[i]]
-    return times
+    # W: what the whole backward takes beyond the inputs' gradient (it computes that again: an estimate)
+    return [(f, min(b, g), max(g - b, 0.0)) for f, b, g in zip(times, inputs_only, whole)]
 
 
 def _sync(device: torch.device) -> None:
