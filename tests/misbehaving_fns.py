@@ -39,6 +39,7 @@ def stuck_rank(rank, world, where: str):
                 pass
         opt.step()
         opt.zero_grad()
+    opt.finish_param_gather()  # where a next step's forward would wait for the gather step() issued
     return "finished"
 
 

@@ -134,6 +134,25 @@ def fetch_failures(j) -> None:
         j.fetched = k
 
 
+def hold_for(j, timeout_s: float) -> None:
+    """On the process hosting the job's store, about to end after a fault: wait until every peer has fetched every
+    failure posted so far (its status's `fetched`), or is gone, at most `timeout_s`. A peer that fails later, once
+    the store is gone, still names who failed first from what it fetched (a fixed pause let a busy peer miss it).
+    With nothing posted, returns at once."""
+    if j.store is None or not dist.is_initialized():
+        return
+    deadline = time.monotonic() + timeout_s
+    with contextlib.suppress(Exception):
+        posted = j.store.add("gradsched/failures", 0)
+        others = [r for r in range(dist.get_world_size()) if r != dist.get_rank()]
+        while posted and others and time.monotonic() < deadline:
+            now = statuses(j, others)
+            others = [r for r in others if now[r] is not None and not now[r].get("store_gone") and
+                      not process_gone(now[r]) and now[r].get("fetched", 0) < posted]
+            if others:
+                time.sleep(INTERVAL_S / 5)
+
+
 def report(j, ranks=None, since: float | None = None) -> str:
     """One line on the peers that posted an error (around `since`, this rank's monotonic time, or later),
     are gone, or never reported. Waits two beats, so what a failing peer posts arrives first."""

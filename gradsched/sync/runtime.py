@@ -33,7 +33,6 @@ import torch
 import torch.fx as fx
 
 from gradsched.passes.verify import Verdict
-
 from gradsched.options import SyncOptions
 from gradsched.sync.preflight import check_sync_graph
 from gradsched.sync.rank_stages import StagePart, build_part, build_union
@@ -73,17 +72,8 @@ class GradSync(StageResults):
         self.flush_seconds: list[float] = []  # wall time of each flush graph run
         self.attention_reports: list = []  # ContextParallelReport of each compiled forward (cp > 1)
         self.param_shards = None  # shard="params": where the parameters live (gradsched.sync.param_shards)
-        # shard=True: the optimizer's parameter all-gathers in flight, landed by finish_param_gather
-        self.pending_gather = None
+        self.pending_gather = None  # shard=True: the optimizer's all-gathers in flight (finish_param_gather)
         self.nonfinite = StepFlags()  # what went non-finite this step, on the device (gradsched.sync.nonfinite)
-
-    def finish_param_gather(self) -> None:
-        """Wait for the optimizer's parameter all-gathers still in flight (shard=True) and write them into the
-        parameters: before anything reads the parameters (a forward graph, a checkpoint, full_parameters). A wait
-        on gathers every rank issued in its optimizer step, no new collective: one rank may call it alone."""
-        land, self.pending_gather = self.pending_gather, None
-        if land is not None:
-            land()
 
     def step_boundary(self, last: bool) -> _StepBoundary:
         """A context: backward passes run inside belong to the step's last micro-batch (last=True) or not."""

@@ -1,7 +1,8 @@
 """What the optimizer, the schedule report, clipping, checkpoints and the tests read of a stage's gradient
 sync once its graphs are built: its plan, parameters, this step's reduced buckets, the report. GradSync
 (gradsched.sync.runtime), which runs the graphs, holds these reads; none of them runs a graph, and only
-`full_parameters` under shard="params" talks to other ranks."""
+`full_parameters` under shard="params" talks to other ranks (`finish_param_gather` waits for gathers every rank
+issued in its optimizer step)."""
 from __future__ import annotations
 
 import torch
@@ -40,6 +41,14 @@ class StageResults:
         if self.param_shards is None:
             return {n: p.detach() for n, p in self.params.items()}
         return self.param_shards.gathered(process_group(self.setup.grad_group))
+
+    def finish_param_gather(self) -> None:
+        """Wait for the optimizer's parameter all-gathers still in flight (shard=True) and write them into the
+        parameters: before anything reads the parameters (a forward graph, a checkpoint, full_parameters). A wait
+        on gathers every rank issued in its optimizer step, no new collective: one rank may call it alone."""
+        land, self.pending_gather = self.pending_gather, None
+        if land is not None:
+            land()
 
     @property
     def ties(self) -> dict:

@@ -217,24 +217,10 @@ def _post(j: _Journal, why: str) -> None:
         peers.append(j, [dist.get_rank(), f"failed: {why}", j.where, "error", j.beat])
 
 
-def hold_the_store(j: _Journal, timeout_s: float = HOLD_S) -> None:
-    """On the rank whose process hosts the job's store (rank 0, without torchrun's agent store), about to end
-    after a fault: wait until every peer has fetched every failure posted so far (its status's `fetched`), or is
-    gone, at most `timeout_s`. A peer that fails later, once the store is gone, still names who failed first from
-    what it fetched; a fixed sleep let a busy peer miss it. Elsewhere, or with nothing posted, returns at once."""
-    if j.store is None or not dist.is_initialized() or dist.get_rank() != 0 or \
-            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        return
-    deadline = time.monotonic() + timeout_s
-    with contextlib.suppress(Exception):
-        posted = j.store.add("gradsched/failures", 0)
-        others = [r for r in range(dist.get_world_size()) if r != 0]
-        while posted and others and time.monotonic() < deadline:
-            now = peers.statuses(j, others)
-            others = [r for r in others if now[r] is not None and not now[r].get("store_gone") and
-                      not peers.process_gone(now[r]) and now[r].get("fetched", 0) < posted]
-            if others:
-                time.sleep(INTERVAL_S / 5)
+def hold_the_store(j: _Journal) -> None:
+    """Rank 0, ending after a fault, holds the store it hosts until its peers have read why (peers.hold_for)."""
+    if dist.is_initialized() and dist.get_rank() == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        peers.hold_for(j, HOLD_S)
 
 
 def _publish_now(j: _Journal) -> None:
