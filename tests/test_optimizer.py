@@ -11,6 +11,12 @@ def test_bf16_parameters_are_all_gathered_in_bf16_from_their_fp32_master_shards(
         assert r["exact"]
 
 
+def test_the_parameter_all_gather_is_in_flight_when_step_returns_and_lands_when_asked():
+    # off the critical path: step() issues it; the next forward (here finish_param_gather) waits and writes
+    for r in run_ranks(bf16_parameters_gathered_in_bf16, 2):
+        assert r["in_flight"] and r["exact"]
+
+
 def test_decay_free_parameters_are_exactly_untouched_by_weight_decay_and_matrices_exactly_decayed():
     checked = 0
     for params in run_ranks(decay_free_step, 4):

@@ -86,8 +86,6 @@ def simulate_step(schedule: str, pp: int, v: int, m: int, forward, backward_inpu
                 free[r] = end
                 for k in (("B", "W") if kind == "BW" else (kind,)):
                     done[(k, s, i)] = end
-                if kind == "B" and not split:
-                    done[("W", s, i)] = end
                 nxt[r] += 1
                 remaining -= 1
                 progressed = True
