@@ -47,3 +47,26 @@ def test_one_added_item_inside_a_step_is_caught_with_its_line(inductor_runs):
     for r in inductor_runs[RECORDED["pp2_dp2_shard_true"]]:  # the label count runs on the last stage
         assert (len(r["injected"]) >= 1) == (r["stage"] == 1), r["injected"]
         assert all("n.item()  # the injected read" in text for text in r["injected"])
+
+
+def test_after_warm_up_the_agreement_reads_nothing_and_its_mismatch_reaches_the_steps_flag(monkeypatch):
+    # one process: the op after a digest's first run (as the GPU suite checks on CUDA), then what the step's one
+    # read adds: zero while the ranks agree, NaN once one run's digests differed; the copies compared only on demand
+    from gradsched.sync import agreement_check
+    from gradsched.sync.fingerprint import CollectiveMismatch
+    monkeypatch.setattr(agreement_check, "_mismatch", lambda found, *a, **k: f"gathered {found}")  # no peers
+    monkeypatch.setattr(agreement_check, "_READ", {("a group", 1234)})
+    monkeypatch.setattr(agreement_check, "_PENDING", [])
+    monkeypatch.setattr(agreement_check, "_FLAGS", {})
+    same, differing = torch.tensor([1234, 1234]), torch.tensor([1234, 99])
+    with host_reads.recording() as seen:
+        torch.ops.gradsched.agree(same, 1234, "a group")
+        agreed = agreement_check.take_step_flag(torch.device("cpu"))
+        torch.ops.gradsched.agree(same, 1234, "a group")
+        torch.ops.gradsched.agree(differing, 1234, "a group")
+        flag = agreement_check.take_step_flag(torch.device("cpu"))
+    assert seen.all == []
+    assert agreed.item() == 0.0 and torch.isnan(flag).item()
+    assert agreement_check.take_step_flag(torch.device("cpu")) is None  # taken: the next step starts clean
+    with pytest.raises(CollectiveMismatch, match=r"gathered \[1234, 99\]"):
+        agreement_check.settle(wait=True)
