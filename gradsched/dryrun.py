@@ -49,7 +49,7 @@ from gradsched.sizing.dryrun_text import count, describe, parse_bytes, size
 from gradsched.sizing.roles import (Role, fake_world, like, nbytes, run_rank_schedule, run_schedule, stage_args,
                                     stage_outputs)
 from gradsched.training.live_bytes import RUNTIME, LiveBytes, storage_bytes
-from gradsched.training.pipeline_schedule import SCHEDULES, resolve_schedule
+from gradsched.training.pipeline_schedule import SCHEDULES, least_microbatches, resolve_schedule
 
 STEPS = 3  # the first compiles, the second may compile again (Dynamo recompiles what changed), the third counts
 
@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=8192, help="tokens per sequence (split over cp)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per data-parallel rank per step "
                     "(default: one per micro-batch)")
-    ap.add_argument("--microbatches", type=int, default=None, help="default: pp (the least 1F1B runs)")
+    ap.add_argument("--microbatches", type=int, default=None, help="default: the fewest the schedule runs (pp; 2 pp - 1 for zbv, 2 pp for dualpipev)")
     ap.add_argument("--schedule", default="auto", choices=SCHEDULES, help="the pipeline's schedule (pp > 1): what "
                     "each stage holds depends on the order of its forwards and backwards (zb1p: B and W apart)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
     if args.fit:
         from gradsched.sizing.fit_run import fit_main
         return fit_main(args, probe, Cut(args.model, args.config, getattr(torch, args.dtype), args.tie))
-    m = args.microbatches or args.pp
+    m = args.microbatches or least_microbatches(args.schedule, args.pp)
     dtype = getattr(torch, args.dtype)
     name, split_points = args.module or args.config or args.model, None
     try:
@@ -249,9 +249,6 @@ def main(argv=None) -> int:
         raise SystemExit(f"--pp {args.pp} needs {stages - 1} split point(s) ({stages} stages): give --split-points "
                          "(module names).")
     shard = {"params": "params", "true": True, "false": False}[args.shard]
-    if stages > args.pp and shard == "params":
-        raise SystemExit(f"--schedule {schedule} holds two stages a rank, which does not run with --shard params yet: "
-                         "price it with --shard true (or false), or price zb1p or 1f1b with --shard params.")
     layout = f"pp={args.pp} x dp={args.dp} x cp={args.cp}" + (f" x tp={args.tp}" if args.tp > 1 else "")
     print(f"dry run: {name} ({count(sum(p.numel() for p in model.parameters()))} parameters, "
           f"{args.dtype}), {layout} = {args.pp * args.dp * args.cp * args.tp} ranks, "

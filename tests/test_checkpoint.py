@@ -19,9 +19,10 @@ from tied_training import Job, checkpoint_contents, max_state_diff
 from tiny_gpt import GPTConfig
 
 
-def job(pp, dp, schedule="auto", **options):
+def job(pp, dp, schedule="auto", split_points=("blocks.1",), **options):
     return Job(pp=pp, dp=dp, schedule=schedule, optimizer="adamw", config=GPTConfig(vocab=97),
-               param_groups="decay_matrices", options={"compiler": "eager", "microbatches": 2, **options})
+               param_groups="decay_matrices", split_points=split_points,
+               options={"compiler": "eager", "microbatches": 2, **options})
 
 
 RESUMED_AT = {  # name -> (the second half's layout, tolerance)
@@ -32,6 +33,8 @@ RESUMED_AT = {  # name -> (the second half's layout, tolerance)
     # parameters as shards (shard="params"): loaded into the shards, saved gathered whole
     "params_sharded": (job(2, 2, shard="params"), 1e-6),
     "params_sharded_pp1_dp4": (job(1, 4, shard="params"), 1e-5),
+    # in a V, two stages a rank, each its own buckets of shards: the tie's copies one Parameter on rank 0
+    "params_sharded_zbv": (job(2, 2, "zbv", ("blocks.0", "blocks.1", "ln_f"), shard="params", microbatches=4), 1e-6),
 }
 
 

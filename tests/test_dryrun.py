@@ -315,12 +315,22 @@ def test_looped_stages_are_priced_with_their_tie_across_the_ranks(capsys):
     assert out.count("flush graph: ok, 1 tie(s) proven") == 2
 
 
-def test_several_stages_a_rank_with_sharded_parameters_is_refused_by_name():
+def test_a_v_with_sharded_parameters_is_priced_at_each_ranks_shard_of_its_two_stages(tmp_path):
+    """zbv, shard="params", no micro-batch count given: the V's least (2 pp - 1); each rank holds its half of its
+    two stages' buckets (bf16, plus padding) and no whole parameter, and every graph is verified."""
     pytest.importorskip("transformers")
-    from gradsched.dryrun import main
-    with pytest.raises(SystemExit, match="--schedule zbv holds two stages a rank, which does not run with --shard "
-                                         "params yet"):
-        main(["--model", "llama-tiny", "--pp", "2", "--microbatches", "4", "--schedule", "zbv"])
+    from gradsched.hf import llama
+    roles = _roles(["--model", "llama-tiny", "--pp", "2", "--dp", "2", "--seq", "64", "--tie", "--schedule", "zbv",
+                    "--bucket-mb", "0.05"], tmp_path)
+    model, _ = llama("llama-tiny", torch.bfloat16, tie=True)
+    numel = lambda *prefixes: sum(p.numel() for n, p in model.named_parameters() if n.startswith(prefixes))  # noqa
+    layer = lambda i: f"model.model.layers.{i}."  # noqa: E731
+    whole = [numel("model.model.embed_tokens", layer(0), layer(3), "model.model.norm"), numel(layer(1), layer(2))]
+    assert [r["stages"] for r in roles] == [[0, 3], [1, 2]]
+    for r, n in zip(roles, whole):
+        assert r["microbatches"] == 3 and n <= r["params"] <= 1.1 * n  # 2 bytes x half of n
+        assert "early0 graph: ok" in r["verdict"] and "flush graph: ok" in r["verdict"]
+        assert any(k.startswith("all_gather") and "grad" in k for k in r["collectives"])
 
 
 def test_fit_prices_layouts_within_ten_percent_of_their_own_dry_runs():

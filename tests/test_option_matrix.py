@@ -104,11 +104,12 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
     "inductor_pp2_cp2_params_small_buckets_m4": job(2, 1, 2, microbatches=4, shard="params", bucket_mb=0.004,
                                                     steps=5, host_reads=STEADY, capture_code=True,
                                                     schedule="gpipe", compiler="inductor"),
-    # the looped schedules of two stages a rank: interleaved 1F1B (the tie across the ranks), DualPipeV (in a V)
-    "inductor_pp2_dp2_interleaved_1f1b_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
-                                                compiler="inductor"),
-    "inductor_pp2_dp2_dualpipev_clip_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
-                                              compiler="inductor"),
+    # the looped schedules of two stages a rank: interleaved 1F1B (the tie across the ranks), DualPipeV (in a V),
+    # both with their parameters sharded (ZeRO-3), each stage graph gathering its own buckets
+    "inductor_pp2_dp2_interleaved_1f1b_params_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
+                                                       shard="params", compiler="inductor"),
+    "inductor_pp2_dp2_dualpipev_params_clip_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
+                                                     shard="params", compiler="inductor"),
     # a Hugging Face Llama in a V, under Inductor: its rotary embeddings, computed in stage 0 for every layer,
     # passed through; small buckets: each stage's reduced early, while the rank's other stage computes
     "inductor_pp2_dp2_zbv_hf_llama_small_buckets_m4": Job(model="hf_llama", pp=2, dp=2, steps=2, optimizer="adamw",
@@ -194,13 +195,14 @@ def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collecti
 def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
     if it holds a tied gradient; pp = 1 reduces in the backward. Several stages a rank: the flush, but in a V
-    or looped, with B and W (shard=True), each bucket of the rank's later stage alone reduces early, as that stage
+    or looped, with B and W (shard=True or "params"), each bucket of the rank's later stage alone reduces early, as that stage
     ends (two stages a rank here)."""
     buckets = list(range(r["n_buckets"]))
     if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
-        if job_.schedule not in CUT_BACKWARD or job_.options.get("shard", True) is not True or \
-                job_.options.get("placement", "auto") == "flush":
-            return {"flush": buckets}  # no one backward graph holds all of a rank's gradients
+        if job_.schedule not in CUT_BACKWARD or job_.options.get("shard", True) not in (True, "params") or \
+                job_.options.get("placement", "auto") == "flush" or job_.dp * job_.cp == 1:
+            # no one backward graph holds all of a rank's gradients; a gradient group of one rank reduces by copying
+            return {"flush": buckets}
         # the rank's later stage, whose backward comes first: the V's second leg, or the last loop's
         later = 2 * job_.pp - 1 - r["stage"] if job_.schedule in V else r["stage"] + job_.pp * (
             job_.options["stages_per_rank"] - 1)

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from gradsched.passes.graph_utils import GraphBuilder, c10d
 from gradsched.passes.param_gather import GatherSpec, ParamSlot, expected_ready_order, gather_params
 from test_graph_agreement import ancestors
-from test_option_matrix import CLIP, assert_like_one_process, job, run_jobs
+from test_option_matrix import CLIP, assert_like_one_process, job, run_jobs, stage_of
 
 CASES = {
     "params_pp1_dp4_m2_small_padded_buckets": job(1, 4, vocab=97, bucket_mb=0.004, microbatches=2, shard="params"),
@@ -24,19 +24,44 @@ CASES = {
     "params_dp2_cp2": job(1, 2, 2, shard="params"),
     "params_pp1_dp4_no_reshard_after_forward": job(1, 4, bucket_mb=0.004, shard="params",
                                                    reshard_after_forward=False),
-    # under Inductor, small buckets: the option matrix's inductor_pp2_cp2_params_small_buckets_m4 (each row a cold
-    # compile)
+    # two stages a rank: each stage graph's forward lays out its own buckets as it compiles; in a V (the tie's copies
+    # one Parameter on rank 0) and looped (the tie across the ranks), with B and W and without
+    "params_pp2_dp2_zbv_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw", steps=3,
+                                       shard="params"),
+    "params_pp2_dp2_interleaved_1f1b_clip_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
+                                                   clip=CLIP, shard="params"),
+    "params_pp2_dp2_dualpipev_small_buckets_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4,
+                                                     bucket_mb=0.004, shard="params"),
+    # under Inductor, small buckets: the option matrix's inductor_pp2_cp2_params_small_buckets_m4, and its looped and
+    # DualPipeV rows (each row a cold compile)
 }
+TWO_RANKS = {  # a gradient group of one rank: its buckets' shard is the whole bucket
+    "params_pp2_zbv_m4": job(2, 1, schedule="zbv", layers=4, microbatches=4, shard="params"),
+    "params_pp2_dualpipev_m4": job(2, 1, schedule="dualpipev", layers=4, microbatches=4, shard="params"),
+}
+SEVERAL_STAGES = ("params_pp2_dp2_zbv_adamw_m4", "params_pp2_dp2_interleaved_1f1b_clip_m4",
+                  "params_pp2_dp2_dualpipev_small_buckets_m4")
 
 
 @pytest.fixture(scope="module")
 def runs():
-    return run_jobs(CASES)
+    return {**run_jobs(CASES), **run_jobs(TWO_RANKS, world=2)}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(TWO_RANKS))
 def test_sharded_parameters_train_like_one_process(name, runs):
-    assert_like_one_process(CASES[name], runs[name])
+    assert_like_one_process({**CASES, **TWO_RANKS}[name], runs[name])
+
+
+@pytest.mark.parametrize("name", SEVERAL_STAGES)
+def test_with_two_stages_a_rank_each_bucket_holds_one_stages_parameters_and_none_is_whole(name, runs):
+    for r in runs[name]:
+        assert r["param_storage_bytes"] == 0
+        whole = sum(v.numel() * v.element_size() for v in r["params"].values())
+        assert whole / 2 <= r["param_shard_bytes"] <= 1.15 * whole / 2
+        stages = [{stage_of(r["split_points"], n) for n in names} for names in r["bucket_params"]]
+        assert all(len(s) == 1 for s in stages), stages  # a stage gathers its own buckets, not the other's
+        assert len({s for [s] in stages}) == 2  # both of the rank's stages
 
 
 def test_each_rank_holds_its_shard_of_the_parameters_and_no_whole_one(runs):

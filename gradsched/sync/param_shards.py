@@ -6,6 +6,12 @@ gradients are expected ready in the reverse order of the parameters' first use i
 and `plan_layout` buckets them as it would the backward's ready order. The backward's reductions
 then use this same layout (`plan_sync(layout=...)`).
 
+Several stages a rank (a V, looped schedules): each stage graph's forward lays out, when it compiles, the
+parameters no earlier one did, as buckets appended to the rank's layout (`shard_more`): no bucket spans two
+stage graphs, so a stage gathers only its own, and a tie merged on the rank lives where its first reader laid it
+out. Every rank of the gradient group holds the same stages and compiles them in the schedule's order, so the
+layouts agree (the agreement checks the graphs' collectives).
+
 Each bucket's shard is a flat tensor in the bucket's gather dtype (the parameters' own), holding
 the elements `owned_range` gives this rank, zeros in the padding. Once the shards are filled, the
 parameters' storage is released (`untyped_storage().resize_(0)`): they keep their shape, dtype
@@ -13,6 +19,7 @@ and device, which is all the compiled graphs' guards read, and every graph reads
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -103,6 +110,24 @@ def shard_parameters(fw_gm: fx.GraphModule, names: dict, params: dict, options: 
     layout = plan_layout(ready, options, shards, ties)
     with unset_fake_temporarily(), torch.no_grad():  # called while AOTAutograd traces: these tensors are real
         return _fill(layout, names, params, shards, index)
+
+
+def shard_more(shards: ParamShards, fw_gm: fx.GraphModule, names: dict, params: dict, options: SyncOptions,
+               ties: dict) -> None:
+    """Several stages a rank: the parameters this stage graph's forward reads and no earlier one laid out join
+    `shards` (in place: the graphs compiled before read the same object) as buckets of their own, appended
+    (indices continuing); the earlier buckets unchanged."""
+    laid_out = {s.name for b in shards.layout.buckets for s in b.slots}
+    new = {ph: n for ph, n in names.items() if n not in laid_out}
+    if not new:
+        return
+    more = shard_parameters(fw_gm, new, params, options, shards.index, shards.layout.shards, ties)
+    at = len(shards.layout.buckets)
+    moved = tuple(dataclasses.replace(b, index=at + b.index) for b in more.layout.buckets)
+    shards.layout = BucketLayout(shards.layout.buckets + moved, shards.layout.shards)
+    shards.dtypes += more.dtypes
+    shards.shards.update({at + k: v for k, v in more.shards.items()})
+    shards.params.update(more.params)
 
 
 def _fill(layout: BucketLayout, names: dict, params: dict, shards: int, index: int) -> ParamShards:

@@ -22,8 +22,9 @@ from gradsched.sync import pass_pipeline
 from gradsched.sync.compile import compile_graph
 from gradsched.sync.preflight import check_backward_graph
 from gradsched.passes.verify_tensor_parallel import TensorParallelProof
-from gradsched.sync.stage_build import (BuiltStage, Halves, agreement_name, backward_specs, cut_graph, flush_graph,
-                                        run_passes)
+from gradsched.sync.param_shards import ParamShards
+from gradsched.sync.stage_build import (BuiltStage, Halves, agreement_name, backward_specs, check_sharded, cut_graph,
+                                        flush_graph, run_passes)
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_plan import plan_layout, plan_sync
 
@@ -40,15 +41,19 @@ class StagePart:
     plain_halves: Halves | None
     tp_proof: TensorParallelProof | None = None  # tp > 1: passes/verify_tensor_parallel's proof of this backward
     tp_sharded: frozenset = frozenset()  # tp > 1: the names whose Parameters are this rank's TP shards
+    param_inputs: tuple = ()  # shard="params": the buckets whose shards its backward takes, appended
 
 
 def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str], params: dict,
                setup: StageSetup, options: SyncOptions, zero_bubble: bool,
-               tp_sharded: frozenset = frozenset()) -> StagePart:
+               tp_sharded: frozenset = frozenset(), shards: ParamShards | None = None,
+               param_names: dict | None = None) -> StagePart:
     """A stage graph of a rank of several stages (names: the rank's, a tie merged on the rank under one;
-    `tp_sharded`: under tp > 1 the names whose Parameters are TP shards)."""
+    `tp_sharded`: under tp > 1 the names whose Parameters are TP shards; `shards`, shard="params": where the
+    parameters live, `param_names` this graph's forward placeholder -> parameter name, as build_stage's)."""
     conditions, specs = backward_specs(setup, options, grad_names, zero_bubble, tp_sharded)
-    records = run_passes("backward", bw_gm, example_inputs, setup, conditions, specs)[1]
+    bw_gm, records, param_inputs, example_inputs = run_passes("backward", bw_gm, example_inputs, setup, conditions,
+                                                              specs, shards, param_names)
     proof = records.get("verify_tensor_parallel")
     if proof is not None:
         proof.raise_if_unsafe()
@@ -56,14 +61,14 @@ def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str]
     what = f"a backward graph of pipeline rank {setup.stage}'s stages ({ready[0].name if ready else 'no gradient'}...)"
     if pass_pipeline.applies("cut", "cut_backward", conditions):
         return StagePart(ready, params, dict(grad_names), None, cut_graph(bw_gm, example_inputs, set(grad_names),
-                                                                          options, what), proof, tp_sharded)
+                                                                          options, what), proof, tp_sharded, param_inputs)
     return StagePart(ready, params, dict(grad_names),
                      compile_graph(bw_gm, example_inputs, options.compiler, agree=agreement_name(options, what)), None,
-                     proof, tp_sharded)
+                     proof, tp_sharded, param_inputs)
 
 
 def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
-                order: tuple[int, ...] = ()) -> BuiltStage:
+                order: tuple[int, ...] = (), shards: ParamShards | None = None) -> BuiltStage:
     """The sync of a rank of several stages: one plan over every stage graph's gradients (each once), reduced
     after the schedule by one flush graph (placement 'flush': no one backward graph holds the rank's gradients).
     Ties across ranks are summed there, first, as at one stage.
@@ -71,13 +76,17 @@ def build_union(parts: list[StagePart], setup: StageSetup, options: SyncOptions,
     `order`: the parts in the order their last W finished on the first step (B and W, shard=True), or empty.
     Given, the gradients are laid out in that order and each bucket whose every gradient is final before the
     last part finishes goes to that point's early graph ("early{j}", passes/bucketing.place_after), run there
-    and waited for at the flush (gradsched.sync.early_reduce)."""
+    and waited for at the flush (gradsched.sync.early_reduce). Under shard="params" (`shards`) the gradients
+    take the layout the parameters live in (each stage graph's buckets its own, param_shards.shard_more)."""
     params = {n: p for part in parts for n, p in part.params.items()}
     ready, final_at = finishing_points([part.ready for part in parts], order)
     check_backward_graph(setup, ready, None)
     ties = {n: t.key for n, t in setup.ties.items()}
     layout = None
-    if len(order) > 1:  # no bucket spans two points: each point's gradients bucketed on their own
+    if shards is not None:
+        check_sharded(ready, shards)
+        layout = shards.layout
+    elif len(order) > 1:  # no bucket spans two points: each point's gradients bucketed on their own
         points = [[r for r in ready if final_at[r.name] == j] for j in range(len(order))]
         layout = _concatenated([plan_layout(p, options, len(setup.grad_group.ranks), ties) for p in points if p])
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement="flush",

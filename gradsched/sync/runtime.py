@@ -40,6 +40,7 @@ from gradsched.sync.stage_build import BuiltStage, Halves, SyncGraph, build_forw
 from gradsched.sync.grad_values import accumulate, grad_or_zeros, own
 from gradsched.sync.stage_results import StageResults
 from gradsched.sync.stage_setup import StageSetup
+from gradsched.sync.step_boundary import StepBoundary
 from gradsched.sync.early_reduce import EarlyReductions
 from gradsched.sync.nonfinite import StepFlags
 from gradsched.sync.owners import attach, mark_sharded
@@ -75,9 +76,9 @@ class GradSync(StageResults):
         self.pending_gather = None  # shard=True: the optimizer's all-gathers in flight (finish_param_gather)
         self.nonfinite = StepFlags()  # what went non-finite this step, on the device (gradsched.sync.nonfinite)
 
-    def step_boundary(self, last: bool) -> _StepBoundary:
+    def step_boundary(self, last: bool) -> StepBoundary:
         """A context: backward passes run inside belong to the step's last micro-batch (last=True) or not."""
-        return _StepBoundary(self, last)
+        return StepBoundary(self, last)
 
     def _ends_step(self) -> bool:
         return self._last_microbatch if self.explicit_steps else True
@@ -87,9 +88,14 @@ class GradSync(StageResults):
                          params: dict[str, torch.nn.Parameter]):
         """shard="params": the forward graph gathering its parameters (`names`: placeholder -> parameter
         name); the first lays the parameters out as shards and releases their storage."""
+        if self.canonical is not None:  # several stages a rank: the rank's names (a tie merged on it under one)
+            names, params = self._rank_names(names), {self.canonical.get(n, n): p for n, p in params.items()}
         self.param_shards, forward = build_forward(fw_gm, example_inputs, names, params, self.setup, self.options,
-                                                   self.param_shards)
+                                                   self.param_shards, several=self.canonical is not None)
         return forward
+
+    def _rank_names(self, names: dict) -> dict:
+        return {ph: self.canonical.get(n, n) for ph, n in names.items()}
 
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter], param_names=None, tp_sharded=frozenset()):
@@ -97,7 +103,7 @@ class GradSync(StageResults):
         backward to run. `param_names`: forward placeholder -> parameter name (shard="params");
         `tp_sharded`: names whose Parameters are TP shards (the rest are whole, summed over TP)."""
         if self.canonical is not None:
-            return self._register_part(bw_gm, example_inputs, grad_names, params, tp_sharded)
+            return self._register_part(bw_gm, example_inputs, grad_names, params, tp_sharded, param_names)
         built = build_stage(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.built,
                             self.param_shards, param_names, zero_bubble=self.cut_backward, tp_sharded=tp_sharded)
         self.built = built
@@ -141,7 +147,8 @@ class GradSync(StageResults):
         backward._boxed_call = True
         return backward
 
-    def _register_part(self, bw_gm, example_inputs, grad_names: dict[int, str], params: dict, tp_sharded=frozenset()):
+    def _register_part(self, bw_gm, example_inputs, grad_names: dict[int, str], params: dict, tp_sharded=frozenset(),
+                       param_names=None):
         """One stage graph of a rank of several: compiled now; the rank's plan waits for the flush."""
         name = lambda n: self.canonical.get(n, n)  # noqa: E731
         grad_names, tp_sharded = {i: name(n) for i, n in grad_names.items()}, frozenset(map(name, tp_sharded))
@@ -150,7 +157,9 @@ class GradSync(StageResults):
             raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
                                f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
                                "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
-        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward, tp_sharded)
+        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward, tp_sharded,
+                          self.param_shards, self._rank_names(param_names or {}))
+        shards = (lambda: self.param_shards.inputs(part.param_inputs)) if part.param_inputs else list
         index = next(  # a stage graph compiled again keeps its place in the order the parts finish
             (i for i, q in enumerate(self.parts) if q.params.keys() == params.keys()), len(self.parts))
         self.parts.append(part)
@@ -172,9 +181,9 @@ class GradSync(StageResults):
             if part.plain_halves is not None:
                 rec, last = part.plain_halves.record, self._ends_step()
                 self._part_w[index] = self._part_w.get(index, 0) + 1
-                return self._defer_w(part.plain_halves, list(args), len(rec.input_outputs) + len(rec.weight_outputs),
-                                     lambda grads: finish(grads, last))
-            return part.plain(list(args))
+                return self._defer_w(part.plain_halves, list(args) + shards(),
+                                     len(rec.input_outputs) + len(rec.weight_outputs), lambda grads: finish(grads, last))
+            return part.plain(list(args) + shards())
         backward._boxed_call = True
         return backward
 
@@ -255,7 +264,7 @@ class GradSync(StageResults):
             return
         if self.built is None and self.parts:  # several stages a rank: every stage graph has compiled by now
             distinct = len({frozenset(q.params) for q in self.parts})  # (a recompiled stage graph counts once)
-            self.built = build_union(self.parts, self.setup, self.options, self.early.order(distinct))
+            self.built = build_union(self.parts, self.setup, self.options, self.early.order(distinct), self.param_shards)
             self.early.catch_up(self)
         built = self._require_built()
         if built.order and self.early.done != len(built.order):
@@ -281,20 +290,3 @@ class GradSync(StageResults):
         if sg.where not in self.verdicts:
             b = self.built
             self.verdicts[sg.where] = check_sync_graph(self.setup, b.plan, sg, b.params, self.options)
-
-
-class _StepBoundary:
-    """GradSync.step_boundary's context (a plain class: entered once a micro-batch under pp > 1, where a generator's
-    context costs several times more host time)."""
-    __slots__ = ("sync", "last", "before")
-
-    def __init__(self, sync: GradSync, last: bool):
-        self.sync, self.last = sync, last
-
-    def __enter__(self):
-        self.sync.explicit_steps, self.before = True, self.sync._last_microbatch
-        self.sync._last_microbatch = self.last
-
-    def __exit__(self, *exc):
-        self.sync._last_microbatch = self.before
-        return False

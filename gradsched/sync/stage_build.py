@@ -30,7 +30,7 @@ from gradsched.sync import pass_pipeline
 
 from gradsched.sync.compile import compile_graph
 from gradsched.options import SyncOptions
-from gradsched.sync.param_shards import ParamShards, shard_parameters
+from gradsched.sync.param_shards import ParamShards, shard_more, shard_parameters
 from gradsched.sync.preflight import check_backward_graph
 from gradsched.sync.stage_setup import StageSetup
 from gradsched.sync.sync_graphs import backward_sync_graph, flush_sync_graph
@@ -112,7 +112,7 @@ def build_stage(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str
     ready = records["grad_ready_order"]
     check_backward_graph(setup, ready, list(first.plan.ready) if first else None)
     if shards is not None:
-        _check_sharded(ready, shards)
+        check_sharded(ready, shards)
     plan = plan_sync(ready, options, stage=setup.stage, rank=setup.rank, placement=setup.placement,
                      grad_group=setup.grad_group, tie_groups=setup.tie_groups,
                      ties={n: t.key for n, t in setup.ties.items()},
@@ -151,26 +151,30 @@ def cut_graph(gm: fx.GraphModule, example_inputs, weight_outputs: set, options: 
 
 
 def build_forward(fw_gm: fx.GraphModule, example_inputs, names: dict, params: dict, setup: StageSetup,
-                  options: SyncOptions, shards: ParamShards | None):
+                  options: SyncOptions, shards: ParamShards | None, several: bool = False):
     """shard="params": the stage's forward graph, gathering each bucket's parameters before use
-    (`names`: placeholder -> parameter name). The first call lays the parameters out as shards.
+    (`names`: placeholder -> parameter name). The first call lays the parameters out as shards; under several
+    stages a rank (`several`), each stage graph's first lays out those no earlier one did (param_shards.shard_more).
     Returns (ParamShards, the boxed callable AOTAutograd runs as the forward)."""
-    first = shards is None
-    if first:
+    ties = {n: t.key for n, t in setup.ties.items()}
+    laid_out = set() if shards is None else {s.name for b in shards.layout.buckets for s in b.slots}
+    new = set(names.values()) - laid_out
+    if shards is None:
         shards = shard_parameters(fw_gm, names, params, options, setup.grad_group.index, len(setup.grad_group.ranks),
-                                  {n: t.key for n, t in setup.ties.items()})
-    laid_out = {s.name for b in shards.layout.buckets for s in b.slots}
-    if set(names.values()) - laid_out:
+                                  ties)
+    elif new and several:
+        shard_more(shards, fw_gm, names, params, options, ties)
+    elif new:
         raise RuntimeError(
             f"gradsched shard='params': a second forward graph of stage {setup.stage} reads parameters "
-            f"{sorted(set(names.values()) - laid_out)} that the first did not (a graph break?). The parameters "
+            f"{sorted(new)} that the first did not (a graph break?). The parameters "
             "are laid out as shards from one forward graph: compile the stage with fullgraph=True.")
     gm, _, buckets, examples = run_passes("forward", fw_gm, example_inputs, setup, pass_pipeline.Conditions.of(options),
                                           {}, shards, names)
     fn = compile_graph(gm, examples, options.compiler,
                        agree=agreement_name(options, f"the forward graph of stage {setup.stage}"))
-    if first:
-        shards.release()
+    if new:
+        shards.release()  # the new ones (the others' storage is gone already)
 
     def forward(args):
         return fn(list(args) + shards.inputs(buckets))
@@ -203,7 +207,7 @@ def run_passes(graph: str, gm: fx.GraphModule, example_inputs, setup: StageSetup
     return gm, records, buckets, list(example_inputs) + extra
 
 
-def _check_sharded(ready, shards: ParamShards) -> None:
+def check_sharded(ready, shards: ParamShards) -> None:
     laid_out = {s.name for b in shards.layout.buckets for s in b.slots}
     missing = sorted(laid_out - {r.name for r in ready})
     if missing:

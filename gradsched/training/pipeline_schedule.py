@@ -154,6 +154,11 @@ class _CompiledStage(nn.Module):
         return self.compiled(*args, **kwargs)
 
 
+def least_microbatches(schedule: str, pp: int) -> int:
+    """The fewest micro-batches `schedule` runs at `pp` (resolve_schedule's bounds): the dry run's default."""
+    return {"zbv": 2 * pp - 1, "dualpipev": 2 * pp}.get(schedule, pp)
+
+
 def resolve_schedule(schedule: str, pp: int, m: int) -> str:
     """The schedule that runs ("auto": 1F1B with micro-batches >= pp, else GPipe; at pp 1 each micro-batch's
     forward then its backward, as 1F1B orders one stage), or ValueError saying what to change; found from the
