@@ -10,10 +10,12 @@ block boundaries: by default where each schedule's ranks are busy alike, from ea
 (gradsched.balanced_split_points; the head and its loss cost ~1.7 blocks here, and a V puts them on rank 0
 with the embedding), or with --split even the same number of blocks a stage; one
 sequence per micro-batch, the same global batch for every schedule, AdamW. gradsched runs each of its schedules
-in turn, in one set of pp processes (one thread each); then torch.distributed.pipelining's own
-ScheduleInterleavedZeroBubble runs the untied copy of the model in eager (the peer: pipelining refuses compiled stages under it, and torchtitan
-refuses ties under pipeline parallelism). Steps 1 to --warmup compile and are not timed; each timed step
-starts at a barrier. One JSON object per schedule:
+in one set of pp processes (one thread each), with torch.distributed.pipelining's own
+ScheduleInterleavedZeroBubble running the untied copy of the model in eager (the peer: pipelining refuses compiled
+stages under it, and torchtitan refuses ties under pipeline parallelism). Every schedule's model is built and
+its steps 1 to --warmup run (compiling) first; then the timed steps go in rounds, one step of each schedule a
+round, in an order rotated every round (this machine's speed drifts more than the schedules differ: taken in
+turns, a drift reaches them alike). Each timed step starts at a barrier. One JSON object per schedule:
 
   split_points              where the stages begin (the same for every rank)
   step_ms_median            median over the timed steps of the slowest rank's step (train_step, optimizer step)
@@ -64,25 +66,44 @@ def job_for(pp: int, m: int, schedule: str, compiler: str, variant: str = "") ->
                options={"compiler": compiler})
 
 
-def _steps(rank, run_step, timeline: Timeline, a) -> dict:
-    """Warm-up, timed and one measured step of `run_step(step)`; the timed steps' timeline per step."""
-    import torch.distributed as dist
-    times, steps = [], []
-    for step in range(a.warmup + a.steps):
-        timed = step >= a.warmup
+class Runner:
+    """One schedule's model in this rank: `run_step(step)` runs a step (returning when its schedule and flush
+    ended), `timeline` records its spans; the timed steps' records gather in `steps`."""
+
+    def __init__(self, run_step, timeline: Timeline, extra: dict):
+        self.run_step, self.timeline, self.extra = run_step, timeline, extra
+        self.times, self.steps = [], []
+
+    def step(self, step: int, timed: bool) -> None:
+        import torch.distributed as dist
         dist.barrier()
-        timeline.events, timeline.on = [], timed
+        self.timeline.events, self.timeline.on = [], timed
         t0 = time.perf_counter()
-        scheduled = run_step(step)  # when the schedule and its flush ended (the optimizer's step follows)
+        scheduled = self.run_step(step)  # when the schedule and its flush ended (the optimizer's step follows)
         t1 = time.perf_counter()
-        timeline.on = False
+        self.timeline.on = False
         if timed:
-            times.append(t1 - t0)
-            steps.append({"start": t0, "end": t1, "scheduled": scheduled, "events": list(timeline.events)})
-    dist.barrier()
-    cpu_peak.reset()
-    run_step(a.warmup + a.steps)
-    return {"rank": rank, "step_times": times, "steps": steps, "peak": cpu_peak.peak()}
+            self.times.append(t1 - t0)
+            self.steps.append({"start": t0, "end": t1, "scheduled": scheduled, "events": list(self.timeline.events)})
+
+
+def _timed(rank, runners: dict, a) -> dict:
+    """The timed steps taken in turns, one step of each schedule a round, the order rotated every round: this
+    machine's speed drifts by more than the schedules differ (the same step's matrix products took 15% longer in
+    one phase of a run than in another), and a drift then reaches every schedule alike. Then one more step each,
+    its peak measured."""
+    import torch.distributed as dist
+    names = list(runners)
+    for t in range(a.steps):
+        for name in names[t % len(names):] + names[:t % len(names)]:
+            runners[name].step(a.warmup + t, timed=True)
+    out = {}
+    for name, r in runners.items():
+        dist.barrier()
+        cpu_peak.reset()
+        r.run_step(a.warmup + a.steps)
+        out[name] = {"rank": rank, "step_times": r.times, "steps": r.steps, "peak": cpu_peak.peak(), **r.extra}
+    return out
 
 
 def split_for(model, job: Job, a) -> tuple:
@@ -117,8 +138,11 @@ def _gradsched(rank, schedule: str, a) -> dict:
         opt.step()
         opt.zero_grad()
         return scheduled
-    out = _steps(rank, run_step, pm.timeline, a)
-    return out | {"grads": grads, "tie_bytes": pm.grad_sync.tied_bytes_per_step(), "split": split_points}
+    runner = Runner(run_step, pm.timeline, {"grads": grads, "split": split_points})
+    for step in range(a.warmup):  # compiled here, each schedule in turn
+        runner.step(step, timed=False)
+    runner.extra["tie_bytes"] = pm.grad_sync.tied_bytes_per_step()
+    return runner
 
 
 def _peer(rank, a) -> dict:
@@ -159,19 +183,19 @@ def _peer(rank, a) -> dict:
         opt.step()
         opt.zero_grad()
         return scheduled
-    return _steps(rank, run_step, timeline, a) | {"grads": grads, "tie_bytes": 0, "split": split_points}
+    runner = Runner(run_step, timeline, {"grads": grads, "tie_bytes": 0, "split": split_points})
+    for step in range(a.warmup):
+        runner.step(step, timed=False)
+    return runner
 
 
 def bench_rank(rank: int, world: int, a) -> dict:
     cpu_peak.install()
     torch.manual_seed(0)
-    out = {}
-    for schedule in a.schedules:
-        torch._dynamo.reset()
-        out[schedule] = _gradsched(rank, schedule, a)
+    runners = {schedule: _gradsched(rank, schedule, a) for schedule in a.schedules}
     if a.peer:
-        out[PEER] = _peer(rank, a)
-    return out
+        runners[PEER] = _peer(rank, a)
+    return _timed(rank, runners, a)
 
 
 def bubble(ranks: list[dict]) -> float:

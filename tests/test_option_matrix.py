@@ -105,7 +105,9 @@ INDUCTOR = {  # the default compiler end to end: flush graph, backward sync vari
                                                     steps=5, host_reads=STEADY, capture_code=True,
                                                     schedule="gpipe", compiler="inductor"),
     # the looped schedules of two stages a rank: interleaved 1F1B (the tie across the ranks), DualPipeV (in a V),
-    # both with their parameters sharded (ZeRO-3), each stage graph gathering its own buckets
+    # with shard=True and with their parameters sharded (ZeRO-3), each stage graph gathering its own buckets
+    "inductor_pp2_dp2_interleaved_1f1b_clip_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
+                                                     clip=CLIP, compiler="inductor"),
     "inductor_pp2_dp2_interleaved_1f1b_params_m4": job(2, 2, schedule="interleaved_1f1b", layers=4, microbatches=4,
                                                        shard="params", compiler="inductor"),
     "inductor_pp2_dp2_dualpipev_params_clip_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,

@@ -47,11 +47,11 @@ def test_the_fallback_for_many_pieces_finds_the_least_largest_stage_that_trying_
 
 class Wide(nn.Module):
     """Four small blocks and a head 32 times as wide: the head's piece costs several blocks."""
-    def __init__(self):
+    def __init__(self, dim: int = 32, vocab: int = 2048):
         super().__init__()
-        self.emb = nn.Embedding(64, 32)
-        self.blocks = nn.ModuleList(nn.Linear(32, 32) for _ in range(4))
-        self.head = nn.Linear(32, 2048)
+        self.emb = nn.Embedding(64, dim)
+        self.blocks = nn.ModuleList(nn.Linear(dim, dim) for _ in range(4))
+        self.head = nn.Linear(dim, vocab)
 
     def forward(self, x):
         h = self.emb(x)
@@ -90,6 +90,19 @@ def test_timed_as_inductor_compiles_the_pieces_the_heavy_head_still_gets_one_blo
     assert torch.equal(model(x), before)
     with pytest.raises(ValueError, match="compiler='aot_eager': 'eager' or 'inductor'"):
         balanced_split_points(model, (x,), y, _loss, ["blocks.1"], pp=2, compiler="aot_eager")
+
+
+def test_timed_as_inductor_a_blocks_backward_is_split_in_b_and_w_not_all_b():
+    """A compiled backward runs whole even when autograd asks for the inputs' gradient alone: timed so, B was the
+    whole backward and W nothing, and the simulated V and looped schedules saw no W to fill their waits with."""
+    from gradsched.training.stage_balance import measure_pieces
+    torch.manual_seed(0)
+    model = Wide(dim=384, vocab=64)  # blocks of 384 x 384: each half of a block's backward takes ~1 ms here
+    x, y = torch.randint(0, 64, (4, 512)), torch.randint(0, 64, (4, 512))
+    costs = measure_pieces(model, (x,), y, _loss, ["blocks.1", "blocks.2", "blocks.3"], repeats=3, compiler="inductor")
+    for f, b, w in costs[1:3].tolist():  # the middle pieces: a block each, its input a hidden state
+        assert 0.2 < w / (b + w) < 0.8, (f, b, w)  # x @ W: the inputs' gradient and the weight's cost alike
+    assert costs[0, 1] == 0  # the first piece's input is token ids: no inputs' gradient
 
 
 def test_past_the_exhaustive_limit_the_v_still_balances_its_ranks(monkeypatch):

@@ -8,8 +8,8 @@ then use this same layout (`plan_sync(layout=...)`).
 
 Several stages a rank (a V, looped schedules): each stage graph's forward lays out, when it compiles, the
 parameters no earlier one did, as buckets appended to the rank's layout (`shard_more`): no bucket spans two
-stage graphs, so a stage gathers only its own, and a tie merged on the rank lives where its first reader laid it
-out. Every rank of the gradient group holds the same stages and compiles them in the schedule's order, so the
+stage graphs, so a stage gathers its own; a tie merged on the rank lives where its first reader laid it out,
+and its other reader gathers that bucket too. Every rank of the gradient group holds the same stages and compiles them in the schedule's order, so the
 layouts agree (the agreement checks the graphs' collectives).
 
 Each bucket's shard is a flat tensor in the bucket's gather dtype (the parameters' own), holding
@@ -93,6 +93,17 @@ class ParamShards:
         shard = self.shards[bucket]
         shard[at:at + values.numel()] = values.to(shard.dtype)
 
+
+    def forget_after(self, buckets: int) -> None:
+        """Back to the first `buckets` buckets: a stage graph's compile that failed leaves no buckets of its own
+        (their parameters keep their storage: nothing was released)."""
+        dropped = self.layout.buckets[buckets:]
+        self.layout = BucketLayout(self.layout.buckets[:buckets], self.layout.shards)
+        self.dtypes = self.dtypes[:buckets]
+        for b in dropped:
+            self.shards.pop(b.index, None)
+            for s in b.slots:
+                self.params.pop(s.name, None)
 
     def release(self) -> None:
         """The parameters' own storage goes: from now on only the shards hold them (once the first graph

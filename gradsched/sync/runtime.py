@@ -90,12 +90,19 @@ class GradSync(StageResults):
         name); the first lays the parameters out as shards and releases their storage."""
         if self.canonical is not None:  # several stages a rank: the rank's names (a tie merged on it under one)
             names, params = self._rank_names(names), {self.canonical.get(n, n): p for n, p in params.items()}
+            self._refuse_late(set(names.values()))  # before any of them is laid out as shards
         self.param_shards, forward = build_forward(fw_gm, example_inputs, names, params, self.setup, self.options,
                                                    self.param_shards, several=self.canonical is not None)
         return forward
 
     def _rank_names(self, names: dict) -> dict:
         return {ph: self.canonical.get(n, n) for ph, n in names.items()}
+
+    def _refuse_late(self, names: set) -> None:
+        if self.built is not None and names - set(self.built.params):
+            raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
+                               f"{sorted(names - set(self.built.params))}, which its plan does not hold "
+                               "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
 
     def register_backward(self, bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str],
                           params: dict[str, torch.nn.Parameter], param_names=None, tp_sharded=frozenset()):
@@ -153,10 +160,7 @@ class GradSync(StageResults):
         name = lambda n: self.canonical.get(n, n)  # noqa: E731
         grad_names, tp_sharded = {i: name(n) for i, n in grad_names.items()}, frozenset(map(name, tp_sharded))
         params = {name(n): p for n, p in params.items()}
-        if self.built is not None and set(params) - set(self.built.params):
-            raise RuntimeError(f"gradsched: a stage graph compiled after the rank's first step trains "
-                               f"{sorted(set(params) - set(self.built.params))}, which its plan does not hold "
-                               "(a recompile after a graph break?). Compile the stages with fullgraph=True.")
+        self._refuse_late(set(params))
         part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward, tp_sharded,
                           self.param_shards, self._rank_names(param_names or {}))
         shards = (lambda: self.param_shards.inputs(part.param_inputs)) if part.param_inputs else list

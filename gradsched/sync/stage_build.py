@@ -159,6 +159,7 @@ def build_forward(fw_gm: fx.GraphModule, example_inputs, names: dict, params: di
     ties = {n: t.key for n, t in setup.ties.items()}
     laid_out = set() if shards is None else {s.name for b in shards.layout.buckets for s in b.slots}
     new = set(names.values()) - laid_out
+    before = len(shards.layout.buckets) if shards is not None else 0
     if shards is None:
         shards = shard_parameters(fw_gm, names, params, options, setup.grad_group.index, len(setup.grad_group.ranks),
                                   ties)
@@ -169,10 +170,14 @@ def build_forward(fw_gm: fx.GraphModule, example_inputs, names: dict, params: di
             f"gradsched shard='params': a second forward graph of stage {setup.stage} reads parameters "
             f"{sorted(new)} that the first did not (a graph break?). The parameters "
             "are laid out as shards from one forward graph: compile the stage with fullgraph=True.")
-    gm, _, buckets, examples = run_passes("forward", fw_gm, example_inputs, setup, pass_pipeline.Conditions.of(options),
-                                          {}, shards, names)
-    fn = compile_graph(gm, examples, options.compiler,
-                       agree=agreement_name(options, f"the forward graph of stage {setup.stage}"))
+    try:
+        gm, _, buckets, examples = run_passes("forward", fw_gm, example_inputs, setup,
+                                              pass_pipeline.Conditions.of(options), {}, shards, names)
+        fn = compile_graph(gm, examples, options.compiler,
+                           agree=agreement_name(options, f"the forward graph of stage {setup.stage}"))
+    except BaseException:
+        shards.forget_after(before)  # this graph's own buckets go with its failed compile (the parameters are whole)
+        raise
     if new:
         shards.release()  # the new ones (the others' storage is gone already)
 

@@ -15,7 +15,8 @@ all-reduce, which also tells every rank whether one failed), and rank 0's choice
 pieces into stages (contiguous), the one whose busiest rank (the sum of its stages, by `stage_ranks`) is the
 least, then whose largest stage is the least. Under several stages a rank (a V, looped schedules) the busiest
 rank's sum is not the step: which rank waits for which depends on the schedule's order (a V's order assumes its
-four stages equal). There each piece is timed as F, B (its inputs' gradient) and W, and the cut whose step,
+four stages equal). There each piece is timed as F, B (its inputs' gradient) and W (timed compiled, its backward
+is split in B and W as the eager piece's is: a compiled backward runs whole), and the cut whose step,
 simulated in the schedule's own order (gradsched.training.schedule_simulation), is shortest wins; the first and
 last stages may then hold fewer blocks, for the embedding and the head (Megatron's
 num_layers_in_first/last_pipeline_stage, chosen here from measurements).
@@ -170,8 +171,10 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
                    compiler: str = "eager") -> torch.Tensor:
     """[len(candidates) + 1, 3] float64 seconds: each piece's forward (F), its inputs' gradient (B) and the rest of
     its backward (W, the weights') on one micro-batch (the last piece with the loss), each the least of `repeats`
-    runs after one unmeasured (noise only adds time; under compiler="inductor" it compiles each piece). The
-    model's gradients are left as they were."""
+    runs after one unmeasured (noise only adds time; under compiler="inductor" it compiles each piece). Under
+    compiler="inductor" the backward's B and W are split in the share the eager pieces' give: a compiled backward
+    is one graph, run whole even when autograd asks for the inputs' gradient alone. The model's gradients are left
+    as they were."""
     from torch.distributed.pipelining import SplitPoint, pipeline
     if any(p.is_meta for p in model.parameters()):
         raise ValueError("balanced_split_points runs the model: build it with real weights (it was on the meta "
@@ -189,10 +192,11 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
             m.__dict__.update(attrs)
     check_stage_count(pipe, candidates, type(model).__name__)
     pass_through_skips(pipe)  # each piece then takes the previous piece's outputs only
-    pieces = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
-    params = {id(p): p for m in (model, *pieces) for p in m.parameters()}.values()
+    plain = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
+    params = {id(p): p for m in (model, *plain) for p in m.parameters()}.values()
+    pieces = plain
     if compiler == "inductor":  # each piece's own graph (a module of its own: no cache shared between pieces)
-        pieces = [torch.compile(p, backend="inductor", fullgraph=True) for p in pieces]
+        pieces = [torch.compile(p, backend="inductor", fullgraph=True) for p in plain]
     kept = [(p, p.grad) for p in params]
     buffers = [(b, b.detach().clone()) for b in {id(b): b for m in (model, *pieces) for b in m.buffers()}.values()]
     device = example[0].device
@@ -201,6 +205,9 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), \
                 torch._functorch.config.patch(donated_buffer=False):
             runs = [_one_run(pieces, example, target, loss_fn, device) for _ in range(repeats + 1)][1:]
+            if pieces is not plain:  # a compiled backward runs whole, the weights' gradients too, when autograd asks
+                # for the inputs' alone: B and W split as the eager pieces split them (their share of the backward)
+                runs = _split_as(runs, [_one_run(plain, example, target, loss_fn, device) for _ in range(repeats + 1)][1:])
     finally:
         for p, g in kept:
             p.grad = g
@@ -249,6 +256,15 @@ def _one_run(pieces, example, target, loss_fn, device) -> list[float]:
         grads = [a.grad if isinstance(a, torch.Tensor) else None for a in ins[i]]
     # W: what the whole backward takes beyond the inputs' gradient (it computes that again: an estimate)
     return [(f, min(b, g), max(g - b, 0.0)) for f, b, g in zip(times, inputs_only, whole)]
+
+
+def _split_as(runs: list, eager: list) -> list:
+    """Each compiled run's backward (B + W) split in B and W in the share the eager runs' least times give."""
+    share = []
+    for i in range(len(eager[0])):
+        b, w = min(r[i][1] for r in eager), min(r[i][2] for r in eager)
+        share.append(b / (b + w) if b + w > 0 else 0.0)
+    return [[(f, (b + w) * q, (b + w) * (1 - q)) for (f, b, w), q in zip(run, share)] for run in runs]
 
 
 def _sync(device: torch.device) -> None:
