@@ -146,6 +146,10 @@ def parse(argv=None):
                          "balanced, where each rank's stages take the same time, timed on this device before the "
                          "first step, compiled by --compiler (gradsched.balanced_split_points: the head and the "
                          "embedding count)")
+    ap.add_argument("--shard", default="true", choices=("true", "params", "false"),
+                    help="true: gradients and optimizer state as each data-parallel rank's shard (a distributed "
+                         "optimizer); params: the parameters too, gathered in the graphs before use (ZeRO-3 / FSDP); "
+                         "false: gradients all-reduced, every rank whole")
     ap.add_argument("--seq", type=int, default=128, help="sequence length, in tokens")
     ap.add_argument("--steps", type=int, default=100, help="train up to this step")
     ap.add_argument("--lr", type=float, default=3e-4, help="peak learning rate, reached at the end of --warmup")
@@ -325,6 +329,7 @@ def train(args) -> int:
                                   split_points=points,
                                   microbatches=args.microbatches, schedule=args.schedule, compiler=args.compiler,
                                   on_nonfinite=args.on_nonfinite,
+                                  shard={"true": True, "params": "params", "false": False}[args.shard],
                                   **({"reduce_dtype": torch.float32} if args.dtype == "bfloat16" else {}))
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95),
                                          param_groups=gradsched.weight_decay_groups(args.weight_decay))
@@ -338,6 +343,7 @@ def train(args) -> int:
         print(f"gradsched.train: {args.model}, {sum(p.numel() for p in model.model.parameters()):,} parameters, "
               f"pp={plan.pp} dp={plan.dp} cp={plan.cp}{f' tp={plan.tp}' if plan.tp > 1 else ''}"
               f"{f' ({model.schedule_name} schedule)' if plan.pp > 1 else ''}, "
+              f"{f'shard={args.shard}, ' if args.shard != 'true' else ''}"
               f"{f'stages begin at {points}, ' if plan.pp > 1 else ''}"
               f"steps {start + 1}..{args.steps}", flush=True)
     for step in range(start, args.steps):

@@ -52,14 +52,16 @@ def token_file(tmp_path_factory):
 
 def test_a_run_saved_mid_way_resumes_at_another_layout_with_the_same_losses(token_file, tmp_path):
     """Started by gradsched.train's own launcher (--nproc-per-node) under the V zero-bubble schedule (the Llama's
-    4 layers in 4 stages, two a rank, the loss on rank 0, split where the ranks' work is balanced), resumed under torchrun without a pipeline: its losses
-    are the pipeline's."""
+    4 layers in 4 stages, two a rank, the loss on rank 0, split where the ranks' work is balanced) with its
+    parameters sharded (ZeRO-3), resumed under torchrun without a pipeline (shard=True): its losses are the
+    pipeline's."""
     (tmp_path / "first.jsonl").write_text('{"step": 9, "loss": 1.0}\n')  # an older run's: started anew
     code, out = run([sys.executable, *TRAIN, "--nproc-per-node", "4", "--data", str(token_file), "--pp", "2",
-                     "--schedule", "zbv", "--split", "balanced", "--microbatches", "4", "--steps", "4", "--save-every", "2",
+                     "--schedule", "zbv", "--split", "balanced", "--microbatches", "4", "--shard", "params",
+                     "--steps", "4", "--save-every", "2",
                      "--ckpt", str(tmp_path / "ckpt"), "--metrics", str(tmp_path / "first.jsonl")])
     assert code == 0, out[-3000:]
-    assert "pp=2 dp=2 cp=1 (zbv schedule), stages begin at ['model.model.layers." in out  # balanced: timed
+    assert "pp=2 dp=2 cp=1 (zbv schedule), shard=params, stages begin at ['model.model.layers." in out  # balanced
     assert all(f"step {s}/4 [" in out for s in (1, 2, 3, 4))  # a progress line per step
     assert out.count("--warmup 10 is longer than the run (--steps 4)") == 1  # the default warmup, said once
     assert "Warning" not in out  # pipelining's FutureWarning silenced
