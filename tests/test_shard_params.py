@@ -184,3 +184,24 @@ def test_a_weights_transpose_computed_at_the_graphs_top_does_not_gather_its_buck
     assert first_mm in ancestors(gathers[1])  # bucket 1 is gathered after bucket 0 is used, not at the top
     order = list(gm.graph.nodes)
     assert order.index(gathers[1]) > order.index(first_mm)  # and stands there in the graph (eager runs it so)
+
+
+def test_a_later_stage_graphs_parameters_join_the_ranks_shards_as_buckets_of_their_own_and_leave_with_a_failed_compile():
+    """Several stages a rank: shard_more appends the new parameters' buckets (indices continuing, the first graph's
+    buckets unchanged, a parameter laid out already not again); a compile that fails takes its buckets back."""
+    from gradsched.options import SyncOptions
+    from gradsched.sync.param_shards import shard_more, shard_parameters
+    gm = graph_of_three_linears()
+    params = {f"w{i}": torch.full((4, 4), float(i + 1)) for i in range(3)}
+    options = SyncOptions(bucket_mb=1e-5)  # one weight a bucket
+    shards = shard_parameters(gm, {"w0": "w0"}, params, options, 1, 2, {})
+    first = (shards.layout.buckets, dict(shards.shards))
+    shard_more(shards, gm, {"w0": "w0", "w1": "w1", "w2": "w2"}, params, options, {})
+    assert [b.index for b in shards.layout.buckets] == [0, 1, 2] and shards.layout.buckets[0] == first[0][0]
+    assert shards.shards[0] is first[1][0] and sorted(shards.params) == ["w0", "w1", "w2"]
+    assert [s.name for b in shards.layout.buckets for s in b.slots].count("w0") == 1
+    for name, value in (("w1", 2.0), ("w2", 3.0)):  # rank 1's half of each (ready order: w2's bucket first)
+        assert torch.equal(shards.shards[shards.layout.locate(name)[0].index], torch.full((8,), value))
+    shards.forget_after(1)
+    assert len(shards.layout.buckets) == 1 and list(shards.shards) == [0] and list(shards.params) == ["w0"]
+    assert len(shards.dtypes) == 1
