@@ -189,7 +189,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seq", type=int, default=8192, help="tokens per sequence (split over cp)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per data-parallel rank per step "
                     "(default: one per micro-batch)")
-    ap.add_argument("--microbatches", type=int, default=None, help="default: the fewest the schedule runs (pp; 2 pp - 1 for zbv, 2 pp for dualpipev)")
+    ap.add_argument("--microbatches", type=int, default=None,
+                    help="default: the fewest the schedule runs (pp; 2 pp - 1 for zbv, 2 pp for dualpipev)")
     ap.add_argument("--schedule", default="auto", choices=SCHEDULES, help="the pipeline's schedule (pp > 1): what "
                     "each stage holds depends on the order of its forwards and backwards (zb1p: B and W apart)")
     ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))

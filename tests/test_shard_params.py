@@ -186,7 +186,7 @@ def test_a_weights_transpose_computed_at_the_graphs_top_does_not_gather_its_buck
     assert order.index(gathers[1]) > order.index(first_mm)  # and stands there in the graph (eager runs it so)
 
 
-def test_a_later_stage_graphs_parameters_join_the_ranks_shards_as_buckets_of_their_own_and_leave_with_a_failed_compile():
+def test_a_later_stage_graphs_parameters_join_the_ranks_shards_as_own_buckets_and_leave_with_a_failed_compile():
     """Several stages a rank: shard_more appends the new parameters' buckets (indices continuing, the first graph's
     buckets unchanged, a parameter laid out already not again); a compile that fails takes its buckets back."""
     from gradsched.options import SyncOptions

@@ -9,8 +9,8 @@ then use this same layout (`plan_sync(layout=...)`).
 Several stages a rank (a V, looped schedules): each stage graph's forward lays out, when it compiles, the
 parameters no earlier one did, as buckets appended to the rank's layout (`shard_more`): no bucket spans two
 stage graphs, so a stage gathers its own; a tie merged on the rank lives where its first reader laid it out,
-and its other reader gathers that bucket too. Every rank of the gradient group holds the same stages and compiles them in the schedule's order, so the
-layouts agree (the agreement checks the graphs' collectives).
+and its other reader gathers that bucket too. Every rank of the gradient group holds the same stages and
+compiles them in the schedule's order, so the layouts agree (the agreement checks the graphs' collectives).
 
 Each bucket's shard is a flat tensor in the bucket's gather dtype (the parameters' own), holding
 the elements `owned_range` gives this rank, zeros in the padding. Once the shards are filled, the

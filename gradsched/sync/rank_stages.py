@@ -60,8 +60,8 @@ def build_part(bw_gm: fx.GraphModule, example_inputs, grad_names: dict[int, str]
     ready = records["grad_ready_order"]
     what = f"a backward graph of pipeline rank {setup.stage}'s stages ({ready[0].name if ready else 'no gradient'}...)"
     if pass_pipeline.applies("cut", "cut_backward", conditions):
-        return StagePart(ready, params, dict(grad_names), None, cut_graph(bw_gm, example_inputs, set(grad_names),
-                                                                          options, what), proof, tp_sharded, param_inputs)
+        halves = cut_graph(bw_gm, example_inputs, set(grad_names), options, what)
+        return StagePart(ready, params, dict(grad_names), None, halves, proof, tp_sharded, param_inputs)
     return StagePart(ready, params, dict(grad_names),
                      compile_graph(bw_gm, example_inputs, options.compiler, agree=agreement_name(options, what)), None,
                      proof, tp_sharded, param_inputs)

@@ -161,8 +161,8 @@ class GradSync(StageResults):
         grad_names, tp_sharded = {i: name(n) for i, n in grad_names.items()}, frozenset(map(name, tp_sharded))
         params = {name(n): p for n, p in params.items()}
         self._refuse_late(set(params))
-        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward, tp_sharded,
-                          self.param_shards, self._rank_names(param_names or {}))
+        part = build_part(bw_gm, example_inputs, grad_names, params, self.setup, self.options, self.cut_backward,
+                          tp_sharded, self.param_shards, self._rank_names(param_names or {}))
         shards = (lambda: self.param_shards.inputs(part.param_inputs)) if part.param_inputs else list
         index = next(  # a stage graph compiled again keeps its place in the order the parts finish
             (i for i, q in enumerate(self.parts) if q.params.keys() == params.keys()), len(self.parts))

@@ -207,7 +207,8 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
             runs = [_one_run(pieces, example, target, loss_fn, device) for _ in range(repeats + 1)][1:]
             if pieces is not plain:  # a compiled backward runs whole, the weights' gradients too, when autograd asks
                 # for the inputs' alone: B and W split as the eager pieces split them (their share of the backward)
-                runs = _split_as(runs, [_one_run(plain, example, target, loss_fn, device) for _ in range(repeats + 1)][1:])
+                eager = [_one_run(plain, example, target, loss_fn, device) for _ in range(repeats + 1)][1:]
+                runs = _split_as(runs, eager)
     finally:
         for p, g in kept:
             p.grad = g

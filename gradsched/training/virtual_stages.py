@@ -94,6 +94,7 @@ class RankStages(nn.Module):
 def refuse_with_several_stages(options, plan) -> None:
     """What several stages a rank do not run yet, refused at parallelize (before any collective)."""
     if options.placement == "backward":  # no one backward graph holds a rank's gradients: they are reduced at the flush
-        raise ValueError("several pipeline stages a rank (interleaved_1f1b, zbv, dualpipev, zb1p with stages_per_rank > 1) "
-                         "do not run with placement='backward': use placement 'auto', 'tied_at_flush' or 'flush' (every "
-                         "bucket is reduced in the flush), or one stage a rank (1f1b, gpipe, zb1p).")
+        raise ValueError("several pipeline stages a rank (interleaved_1f1b, zbv, dualpipev, zb1p with "
+                         "stages_per_rank > 1) do not run with placement='backward': use placement 'auto', "
+                         "'tied_at_flush' or 'flush' (every bucket is reduced in the flush), or one stage a rank "
+                         "(1f1b, gpipe, zb1p).")
