@@ -70,12 +70,18 @@ def batch(job: Job, step: int):
     if job.inputs == "padding":  # pads score nothing
         y = y.masked_fill(model_inputs(job, step)["attention_mask"] == 0, -100)
     if job.labels == "padded":
-        y = y.clone()
-        for i in range(len(y)):
-            # a labelled count that differs from step to step (gradsched weights a step's losses by the last one's)
-            pad = min(PAD_TAIL[(i * (step + 1)) % len(PAD_TAIL)], y.shape[1])
-            y[i, y.shape[1] - pad:] = -100
+        y = pad_labels(y, step)
     return x, y
+
+
+def pad_labels(y: torch.Tensor, step: int) -> torch.Tensor:
+    """`y` right-padded with ignore_index by PAD_TAIL: a labelled count that differs from step to step (gradsched
+    weights a step's losses by the last one's)."""
+    y = y.clone()
+    for i in range(len(y)):
+        pad = min(PAD_TAIL[(i * (step + 1)) % len(PAD_TAIL)], y.shape[1])
+        y[i, y.shape[1] - pad:] = -100
+    return y
 
 
 # packed documents per sequence (lengths cycle over the batch); right padding per sequence

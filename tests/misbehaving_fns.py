@@ -157,6 +157,8 @@ def pipeline_misbehaviour(rank, world):
     for shard in (False, True):  # then pp1 x dp2 on the same processes
         out[f"grads shard={shard}"] = _nan_in_one_ranks_gradients(rank, shard)
     out["grads shard=True fp16"] = _nan_in_one_ranks_gradients(rank, True, torch.float16)
+    for on in ("raise", "skip"):  # shard=False with the user's own torch optimizer over the parameters
+        out[f"grads plain {on}"] = _nan_in_one_ranks_gradients(rank, False, plain=on)
     return out
 
 
@@ -167,17 +169,21 @@ def loss_with_nan_gradient_where_first_target_unlabelled(logits, targets):
     return lm_loss(logits, targets) + 0 * zero.sqrt()
 
 
-def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None) -> dict:
+def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None, plain="") -> dict:
     """pp1 x dp2: at step 2 rank 1's gradients go NaN, its loss finite. Returns the error each rank says and
     whether the step's row gather was issued before the last backward (each rank's reduced-gradient flag is every
-    rank's, so no rank needs another's: nonfinite.reduced_alike)."""
+    rank's, so no rank needs another's: nonfinite.reduced_alike). plain: a torch optimizer over
+    model.parameters() (shard=False) instead of DistributedOptimizer, under on_nonfinite=plain; then also the
+    parameters after the steps."""
     torch._dynamo.reset()
     job = Job(pp=1, dp=2, steps=3, options={"compiler": "eager", "shard": shard, "microbatches": 2, "fault_timeout_s": 30.0,
-                                            **({"reduce_dtype": reduce_dtype} if reduce_dtype else {})})
+                                            **({"reduce_dtype": reduce_dtype} if reduce_dtype else {}),
+                                            **({"on_nonfinite": plain} if plain else {})})
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2),
                                   loss_fn=loss_with_nan_gradient_where_first_target_unlabelled, **job.options)
-    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))
+    opt = (optimizer_class(job)(model.parameters(), **optimizer_kwargs(job)) if plain else
+           gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job)))
     out, first = {"early": False, "error": None}, JOURNAL.count  # this run's entries: those numbered after
     try:
         for step in range(job.steps):
@@ -189,6 +195,8 @@ def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None) -> dict:
             out["early"] |= any("issued before the last backward" in e.what for e in JOURNAL.entries if e.seq > first)
             opt.step()
             opt.zero_grad()
+        out.update(rank=rank, stage=0, dp_idx=rank, ties=[t.members for t in model.grad_sync.ties.values()],
+                   params={n: v.clone() for n, v in model.grad_sync.full_parameters().items()})
     except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
         out["error"] = f"{type(e).__name__}: {e}"
     return out

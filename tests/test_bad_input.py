@@ -47,6 +47,22 @@ def test_unknown_or_invalid_options_are_named():
             gradsched.SyncOptions(load_balance=bad)
 
 
+@pytest.mark.parametrize("options, says", [
+    ({"reshard_after_forward": False}, "reshard_after_forward=False is for shard='params'"),
+    ({"bucket_mb": 0}, r"bucket_mb=0 must be > 0"),
+    ({"microbatches": 0}, r"microbatches=0 must be >= 1"),
+    ({"shard": "yes"}, r"shard='yes' is not one of"),
+    ({"a2a_degree": 2}, r"a2a_degree=2 is for comm='hybrid'"),
+    ({"comm": "hybrid", "a2a_degree": 0}, r"a2a_degree=0 must be >= 1"),
+    ({"compile_timeout_s": 0}, r"compile_timeout_s=0 must be > 0 \(seconds\)"),
+    ({"on_nonfinite": "ignore"}, r"on_nonfinite='ignore' is not one of"),
+    ({"tp_plan": {"blocks.*.fc": "rowwise"}}, r"tp_plan=\{'blocks.\*.fc': 'rowwise'\}: a module-name pattern"),
+])
+def test_each_option_out_of_its_range_is_refused_naming_it_before_any_collective(options, says):
+    with pytest.raises(ValueError, match=says):
+        gradsched.SyncOptions(**options)
+
+
 def test_the_document_balanced_layout_refuses_a_model_that_cannot_take_seq_idx():
     plan = gradsched.ParallelPlan(pp=1, dp=1, cp=2)  # sizes only: no process group is touched
     with pytest.raises(ValueError, match="load_balance='documents' calls TinyGPT with"):

@@ -112,6 +112,35 @@ def test_a_nan_in_one_ranks_gradients_under_a_finite_loss_raises_on_every_rank(p
         assert "its reduced gradients" in run["error"], run["error"]
 
 
+def test_a_plain_torch_optimizer_under_shard_false_never_applies_a_non_finite_gradient(pipeline_runs):
+    """shard=False with the user's own torch optimizer over model.parameters(): its step() asks the step's verdict
+    first, as DistributedOptimizer's does (NaN parameters before)."""
+    for r in pipeline_runs:
+        run = r["grads plain raise"]
+        assert run["error"] is not None and run["error"].startswith("NonFiniteError: step 2 (of this run): "), run
+        assert "Nothing was applied" in run["error"]
+
+
+def test_a_plain_torch_optimizer_skips_a_non_finite_step_on_every_rank_under_on_nonfinite_skip(pipeline_runs):
+    """on_nonfinite="skip": the step's gradients are dropped, so the optimizer applies nothing (no weight decay
+    either); the parameters equal one process that skipped that step."""
+    job = Job(pp=1, dp=2, steps=3)
+    model, _ = build_model(job)
+    opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
+    for step in range(job.steps):
+        x, y = batch(job, step)
+        lm_loss(model(x), y).backward()
+        if step != 1:
+            opt.step()
+        opt.zero_grad()
+    ref = {"params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
+           "aliases": []}
+    runs = [r["grads plain skip"] for r in pipeline_runs]
+    assert all(run["error"] is None for run in runs), runs
+    cmp = compare(ref, runs)
+    assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
+
+
 # ---- the pure parts --------------------------------------------------------------------------
 
 def _agreed(rows, nan_flags=False):

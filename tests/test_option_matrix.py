@@ -80,6 +80,9 @@ CASES = {
     # two stages a rank: in a V (the tie's copies on rank 0, one Parameter), looped (the tie across the ranks)
     "pp2_dp2_zbv_adamw_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
                                               steps=3, bucket_mb=0.004),
+    # a summed loss (average=False) with float64 reductions in a V (the tie one Parameter, early reductions)
+    "pp2_dp2_zbv_sum_reduce_fp64_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, loss="sum", average=False,
+                                          reduce_dtype="float64"),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4,

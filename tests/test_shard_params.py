@@ -32,6 +32,10 @@ CASES = {
                                                    clip=CLIP, shard="params"),
     "params_pp2_dp2_dualpipev_small_buckets_m4": job(2, 2, schedule="dualpipev", layers=4, microbatches=4,
                                                      bucket_mb=0.004, shard="params"),
+    "params_pp2_dp2_zb1p_no_reshard_clip_m4": job(2, 2, schedule="zb1p", microbatches=4, clip=CLIP, shard="params",
+                                                  reshard_after_forward=False),  # the gathered view kept over B and W
+    "params_pp2_cp2_dualpipev_clip_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
+                                            shard="params"),  # the ring inside each of a rank's two stage graphs
     # under Inductor, small buckets: the option matrix's inductor_pp2_cp2_params_small_buckets_m4, and its looped and
     # DualPipeV rows (each row a cold compile)
 }
@@ -40,7 +44,7 @@ TWO_RANKS = {  # a gradient group of one rank: its buckets' shard is the whole b
     "params_pp2_dualpipev_m4": job(2, 1, schedule="dualpipev", layers=4, microbatches=4, shard="params"),
 }
 SEVERAL_STAGES = ("params_pp2_dp2_zbv_adamw_m4", "params_pp2_dp2_interleaved_1f1b_clip_m4",
-                  "params_pp2_dp2_dualpipev_small_buckets_m4")
+                  "params_pp2_dp2_dualpipev_small_buckets_m4", "params_pp2_cp2_dualpipev_clip_m4")
 
 
 @pytest.fixture(scope="module")

@@ -33,6 +33,12 @@ JOBS = {
                                                  compiler="inductor"),
     "tiny_gpt-tp2xpp2-1f1b-shard-inductor-clipped": Job(tp=2, pp=2, microbatches=2, split=PP2, shard=True,
                                                        compiler="inductor", clip=0.5),
+    # micro-batches at pp 1 with padded labels (a dp rank's micro-batch labels nothing), and a looped schedule
+    "tiny_gpt-tp2xdp2-padded-m2-shard-clipped": Job(tp=2, dp=2, microbatches=2, shard=True, labels="padded", clip=0.5),
+    "tiny_gpt-tp2xpp2-interleaved_1f1b": Job(tp=2, pp=2, schedule="interleaved_1f1b", microbatches=4, split=ZBV),
+    # ZeRO-3 in a V (several stages a rank: each stage graph lays out its own buckets of TP shards)
+    "tiny_gpt-tp2xpp2-zbv-params-clipped": Job(tp=2, pp=2, schedule="zbv", microbatches=4, split=ZBV, shard="params",
+                                               clip=0.5),
     "hf_gpt2-tp2xpp2-params": Job(model="hf_gpt2", tp=2, pp=2, microbatches=2, split=("model.transformer.h.1",),
                                   shard="params"),
     "hf_qwen2-tp2xpp2-zbv-embedding_stage": Job(model="hf_qwen2", tp=2, pp=2, schedule="zbv", microbatches=4, split=(
@@ -78,7 +84,7 @@ def ranks():
 
 def one_process(job: Job, compiled: bool, runs: dict) -> dict:
     """reference(job, compiled), run once for every job it is the same run of (model, data, steps, clipping)."""
-    key = (job.model, job.global_batch, job.steps, job.clip, compiled)
+    key = (job.model, job.global_batch, job.steps, job.clip, job.labels, compiled)
     if key not in runs:
         runs[key] = reference(job, compiled=compiled)
     return runs[key]

@@ -53,8 +53,8 @@ def token_file(tmp_path_factory):
 def test_a_run_saved_mid_way_resumes_at_another_layout_with_the_same_losses(token_file, tmp_path):
     """Started by gradsched.train's own launcher (--nproc-per-node) under the V zero-bubble schedule (the Llama's
     4 layers in 4 stages, two a rank, the loss on rank 0, split where the ranks' work is balanced) with its
-    parameters sharded (ZeRO-3), resumed under torchrun without a pipeline (shard=True): its losses are the
-    pipeline's."""
+    parameters sharded (ZeRO-3), resumed under torchrun without a pipeline, each layer split over tp=2 and each
+    sequence over cp=2 (shard=True, eager): its losses are the pipeline's."""
     (tmp_path / "first.jsonl").write_text('{"step": 9, "loss": 1.0}\n')  # an older run's: started anew
     code, out = run([sys.executable, *TRAIN, "--nproc-per-node", "4", "--data", str(token_file), "--pp", "2",
                      "--schedule", "zbv", "--split", "balanced", "--microbatches", "4", "--shard", "params",
@@ -75,9 +75,9 @@ def test_a_run_saved_mid_way_resumes_at_another_layout_with_the_same_losses(toke
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000002", "step-00000004"]
 
     shutil.copy(tmp_path / "first.jsonl", tmp_path / "resumed.jsonl")  # resuming at step 2 keeps steps 1, 2
-    out = torchrun("--data", str(token_file), "--pp", "1", "--steps", "4", "--resume",
-                   str(tmp_path / "ckpt" / "step-00000002"), "--metrics", str(tmp_path / "resumed.jsonl"))
-    assert "pp=1 dp=4" in out and "steps 3..4" in out
+    out = torchrun("--data", str(token_file), "--pp", "1", "--tp", "2", "--cp", "2", "--compiler", "eager", "--steps",
+                   "4", "--resume", str(tmp_path / "ckpt" / "step-00000002"), "--metrics", str(tmp_path / "resumed.jsonl"))
+    assert "pp=1 dp=1 cp=2 tp=2" in out and "steps 3..4" in out
     resumed = metrics(tmp_path / "resumed.jsonl")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4] and resumed[:2] == first[:2]
     for got, want in zip(resumed[2:], first[2:]):

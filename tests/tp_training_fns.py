@@ -8,7 +8,7 @@ import torch.nn as nn
 
 import gradsched
 from gradsched.passes.tp_layouts import take_chunk
-from tied_training import abs_diff, reduced_gradients
+from tied_training import abs_diff, pad_labels, reduced_gradients
 from tiny_gpt import GPTConfig, make_batch
 from tp_fns import SEQ, build, in_graph_loss
 from gradsched.tp.replica_check import ReplicasDiverged
@@ -31,6 +31,7 @@ class Job:
     options: dict = field(default_factory=dict)
     global_batch: int = 4
     perturb: str = ""  # a TP-replicated parameter TP rank 1 nudges before the last step (check_tp_replicas)
+    labels: str = "full"  # "padded": tied_training's right padding (a micro-batch of a dp rank labels nothing)
 
 
 class Logits(nn.Module):
@@ -49,7 +50,10 @@ def model_of(job: Job) -> nn.Module:
 
 
 def batch(job: Job, step: int):
-    return make_batch(job.global_batch, GPTConfig(seq=SEQ), seed=10 + step)
+    x, y = make_batch(job.global_batch, GPTConfig(seq=SEQ), seed=10 + step)
+    if job.labels == "padded":
+        y = pad_labels(y, step)
+    return x, y
 
 
 def reference(job: Job, compiled: bool = False) -> dict:
@@ -75,9 +79,9 @@ def reference(job: Job, compiled: bool = False) -> dict:
 
 def rank_main(rank: int, world: int, job: Job) -> dict:
     plan = gradsched.ParallelPlan.from_world(tp=job.tp, dp=job.dp, pp=job.pp, cp=job.cp)
-    pipeline = dict(split_points=job.split, schedule=job.schedule, microbatches=job.microbatches) if job.pp > 1 else {}
+    pipeline = dict(split_points=job.split, schedule=job.schedule) if job.pp > 1 else {}
     model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
-                                  shard=job.shard, **pipeline, **job.options)
+                                  shard=job.shard, microbatches=job.microbatches, **pipeline, **job.options)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
     dp_idx, per_rank = plan.index("dp"), job.global_batch // job.dp
     losses, grads, norms = [], None, []

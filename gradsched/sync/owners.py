@@ -1,5 +1,6 @@
-"""Which GradSync reduces a parameter's gradient, found from the parameter; and a torch optimizer refused over
-parameters whose gradient exists only as a GradSync's shards."""
+"""Which GradSync reduces a parameter's gradient, found from the parameter; a torch optimizer refused over
+parameters whose gradient exists only as a GradSync's shards; and one over parameters reduced whole (shard=False)
+held to the step's non-finite verdict, as DistributedOptimizer is."""
 from __future__ import annotations
 
 import bisect
@@ -34,9 +35,39 @@ def _refuse_full_parameter_step(optimizer, args, kwargs):
 
 
 def attach(sync, params) -> None:
-    """Remember which GradSync reduces these parameters (the optimizer finds it from them)."""
+    """Remember which GradSync reduces these parameters (the optimizer finds it from them). Under shard=False a
+    plain torch optimizer may step them: it is held to the step's non-finite verdict first."""
     for p in params:
         p._gradsched_sync = sync
+    if not sync.options.shard and not _VERDICT_HOOK:
+        _VERDICT_HOOK.append(register_optimizer_step_pre_hook(_verdict_first))
+
+
+_VERDICT_HOOK = []
+
+
+def _verdict_first(optimizer, args, kwargs):
+    """A torch optimizer's step over parameters a GradSync reduces whole: the step's non-finite verdict first (one
+    host read, the same answer on every rank), as DistributedOptimizer.step asks it. A bad step raises
+    NonFiniteError, or under on_nonfinite="skip" loses every gradient: torch's optimizers skip a parameter without
+    one, so the step applies nothing (weight decay and the step counts included). Without this, a NaN gradient
+    was applied (docs/faults.md: never)."""
+    if getattr(optimizer, "_gradsched_asked", False):  # DistributedOptimizer's own optimizer: it asked already
+        return
+    syncs = {}  # each GradSync once, in the order its parameters come (the same on every rank)
+    for g in optimizer.param_groups:
+        for p in g["params"]:
+            sync = getattr(p, "_gradsched_sync", None)
+            if sync is not None and not sync.options.shard:  # sharded: refused by _refuse_full_parameter_step
+                syncs.setdefault(id(sync), sync)
+    from gradsched.sync import nonfinite  # imports the sync package's runtime pieces: here, not at import
+    applied = [nonfinite.check(sync, sync.options.on_nonfinite) for sync in syncs.values()]
+    if not all(applied):
+        for sync in syncs.values():
+            sync.clear_results()
+        for g in optimizer.param_groups:
+            for p in g["params"]:
+                p.grad = None
 
 
 def sync_of(params) -> "GradSync | None":  # gradsched.sync.runtime's

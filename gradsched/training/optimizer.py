@@ -97,6 +97,7 @@ class DistributedOptimizer:
         self._gathers = None
         if not plan.shard:
             self.optimizer = self.optimizer_class(_groups(list(params), options, params.__getitem__), **self.kwargs)
+            self.optimizer._gradsched_asked = True  # step() asks the non-finite verdict itself (owners' hook: not again)
             self._restore(sync)
             return
         if not issubclass(self.optimizer_class, ELEMENTWISE):
