@@ -159,7 +159,30 @@ def pipeline_misbehaviour(rank, world):
     out["grads shard=True fp16"] = _nan_in_one_ranks_gradients(rank, True, torch.float16)
     for on in ("raise", "skip"):  # shard=False with the user's own torch optimizer over the parameters
         out[f"grads plain {on}"] = _nan_in_one_ranks_gradients(rank, False, plain=on)
+    out["by name plain raise"] = _nan_loss_under_the_backend_by_name(rank)
     return out
+
+
+def _nan_loss_under_the_backend_by_name(rank) -> str | None:
+    """pp1 x dp2 compiled by backend name (shard=False) with a plain torch SGD: rank 1's loss is NaN at step 2.
+    Returns the error each rank says (None: the steps ran)."""
+    torch._dynamo.reset()
+    job = Job(pp=1, dp=2, steps=3)
+    model, _ = build_model(job)
+    compiled = torch.compile(model, backend="gradsched", options={
+        "plan": gradsched.ParallelPlan.from_world(pp=1, dp=2), "shard": False, "compiler": "eager",
+        "fault_timeout_s": 30.0})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(job.steps):
+            x, y = (t.chunk(2)[rank] for t in batch(job, step))
+            loss = lm_loss(compiled(x), y)
+            (loss * float("nan") if step == 1 and rank == 1 else loss).backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
+        return f"{type(e).__name__}: {e}"
+    return None
 
 
 def loss_with_nan_gradient_where_first_target_unlabelled(logits, targets):

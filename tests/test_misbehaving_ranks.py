@@ -119,6 +119,8 @@ def test_a_plain_torch_optimizer_under_shard_false_never_applies_a_non_finite_gr
         run = r["grads plain raise"]
         assert run["error"] is not None and run["error"].startswith("NonFiniteError: step 2 (of this run): "), run
         assert "Nothing was applied" in run["error"]
+        by_name = r["by name plain raise"]  # compiled by backend name: the same hook
+        assert by_name is not None and by_name.startswith("NonFiniteError: step 2 (of this run): "), by_name
 
 
 def test_a_plain_torch_optimizer_skips_a_non_finite_step_on_every_rank_under_on_nonfinite_skip(pipeline_runs):
