@@ -1,4 +1,6 @@
 """Bad input gets an error that says what was wrong and what to do."""
+import re
+
 import pytest
 import torch
 
@@ -61,6 +63,21 @@ def test_unknown_or_invalid_options_are_named():
 def test_each_option_out_of_its_range_is_refused_naming_it_before_any_collective(options, says):
     with pytest.raises(ValueError, match=says):
         gradsched.SyncOptions(**options)
+
+
+@pytest.mark.parametrize("plan, options, says", [
+    ({"pp": 2}, {}, "pp=2: pipeline stages need a schedule"),
+    ({"cp": 2}, {}, "cp=2: context parallelism shards the sequence"),
+    ({"dp": 2}, {"microbatches": 2}, "microbatches=2: only a driver knows which backward ends a step"),
+    ({"dp": 2}, {"placement": "flush"}, "placement='flush': nothing would call the flush"),
+    ({"dp": 2}, {"shard": "params"}, "shard='params': the model's own parameters would be left without storage"),
+])
+def test_the_backend_by_name_refuses_what_only_a_driver_runs_and_names_parallelize(plan, options, says):
+    """Refused as the first graph compiles, before any collective (the plan holds no process group here)."""
+    compiled = torch.compile(TinyGPT(GPTConfig()), backend="gradsched",
+                             options={"plan": gradsched.ParallelPlan(**plan), "compiler": "eager", **options})
+    with pytest.raises(Exception, match=f"alone cannot run {re.escape(says)}.*Use gradsched.parallelize"):
+        compiled(torch.zeros(1, 8, dtype=torch.long))
 
 
 def test_the_document_balanced_layout_refuses_a_model_that_cannot_take_seq_idx():

@@ -77,6 +77,8 @@ CASES = {
     "pp2_dp2_zb1p_untied_clip_m2": job(2, 2, schedule="zb1p", variant="untied", clip=CLIP, microbatches=2),
     # four stages: the tie spans the first and the last, the middle two hold no copy (they failed to start before)
     "pp4_zb1p_m4": job(4, 1, schedule="zb1p", layers=4, microbatches=4),
+    # the V at pp 4 (eight stages, the tie's copies on rank 0), as benchmarks/pipeline.py runs it on a GPU machine
+    "pp4_zbv_clip_m8": job(4, 1, schedule="zbv", layers=8, microbatches=8, clip=CLIP),
     # two stages a rank: in a V (the tie's copies on rank 0, one Parameter), looped (the tie across the ranks)
     "pp2_dp2_zbv_adamw_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
                                               steps=3, bucket_mb=0.004),
@@ -200,20 +202,26 @@ def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collecti
 def expected_placement(job_, r) -> dict:
     """Which graph reduces which buckets: under pp > 1 (split), a bucket waits for the flush only
     if it holds a tied gradient; pp = 1 reduces in the backward. Several stages a rank: the flush, but in a V
-    or looped, with B and W (shard=True or "params"), each bucket of the rank's later stage alone reduces early, as that stage
-    ends (two stages a rank here)."""
+    or looped, with B and W (shard=True or "params"), the untied buckets of each of the rank's stages but the last
+    to finish reduce early, as that stage ends ("early0" the first to finish: the V's second leg, or the last
+    loop's stage, then the loop before it)."""
     buckets = list(range(r["n_buckets"]))
     if job_.schedule in ("zbv", "dualpipev", "interleaved_1f1b") or job_.options.get("stages_per_rank", 1) > 1:
         if job_.schedule not in CUT_BACKWARD or job_.options.get("shard", True) not in (True, "params") or \
                 job_.options.get("placement", "auto") == "flush" or job_.dp * job_.cp == 1:
             # no one backward graph holds all of a rank's gradients; a gradient group of one rank reduces by copying
             return {"flush": buckets}
-        # the rank's later stage, whose backward comes first: the V's second leg, or the last loop's
-        later = 2 * job_.pp - 1 - r["stage"] if job_.schedule in V else r["stage"] + job_.pp * (
-            job_.options["stages_per_rank"] - 1)
-        early = [b for b in buckets if b not in r["tied_buckets"]
-                 and {stage_of(r["split_points"], n) for n in r["bucket_params"][b]} == {later}]
-        return {k: v for k, v in (("early0", early), ("flush", [b for b in buckets if b not in early])) if v}
+        # the rank's stages in the order their backwards end, the last excepted
+        finishing = [2 * job_.pp - 1 - r["stage"]] if job_.schedule in V else [
+            r["stage"] + job_.pp * k for k in range(job_.options["stages_per_rank"] - 1, 0, -1)]
+        out = {}
+        for i, stage in enumerate(finishing):
+            early = [b for b in buckets if b not in r["tied_buckets"]
+                     and {stage_of(r["split_points"], n) for n in r["bucket_params"][b]} == {stage}]
+            if early:
+                out[f"early{i}"] = early
+        flush = [b for b in buckets if all(b not in v for v in out.values())]
+        return {**out, **({"flush": flush} if flush else {})}
     placement = job_.options.get("placement", "auto")
     if placement == "auto":
         placement = "backward" if job_.pp == 1 else "tied_at_flush"

@@ -34,6 +34,9 @@ CASES = {
                                                      bucket_mb=0.004, shard="params"),
     "params_pp2_dp2_zb1p_no_reshard_clip_m4": job(2, 2, schedule="zb1p", microbatches=4, clip=CLIP, shard="params",
                                                   reshard_after_forward=False),  # the gathered view kept over B and W
+    "params_pp2_dp2_zb1p_three_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=3, layers=6,
+                                                      microbatches=4, shard="params"),  # two stages reduce early
+    "params_pp4_dualpipev_m8": job(4, 1, schedule="dualpipev", layers=8, microbatches=8, shard="params"),
     "params_pp2_cp2_dualpipev_clip_m4": job(2, 1, 2, schedule="dualpipev", layers=4, microbatches=4, clip=CLIP,
                                             shard="params"),  # the ring inside each of a rank's two stage graphs
     # under Inductor, small buckets: the option matrix's inductor_pp2_cp2_params_small_buckets_m4, and its looped and
