@@ -205,8 +205,11 @@ def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None, plain="") -> dic
     model, _ = build_model(job)
     model = gradsched.parallelize(model, plan=gradsched.ParallelPlan.from_world(pp=1, dp=2),
                                   loss_fn=loss_with_nan_gradient_where_first_target_unlabelled, **job.options)
-    opt = (optimizer_class(job)(model.parameters(), **optimizer_kwargs(job)) if plain else
-           gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job)))
+    if plain:  # two, as a user may step an embedding's parameters apart from the rest's: they share one verdict
+        params = list(model.parameters())
+        opts = [optimizer_class(job)(ps, **optimizer_kwargs(job)) for ps in (params[:1], params[1:])]
+    else:
+        opts = [gradsched.DistributedOptimizer(model, optimizer_class(job), **optimizer_kwargs(job))]
     out, first = {"early": False, "error": None}, JOURNAL.count  # this run's entries: those numbered after
     try:
         for step in range(job.steps):
@@ -216,8 +219,11 @@ def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None, plain="") -> dic
                 y[0, 0] = -100
             model.train_step(x, y)
             out["early"] |= any("issued before the last backward" in e.what for e in JOURNAL.entries if e.seq > first)
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        # gathers of the flags beside the step's own (one an optimizer asking again would add)
+        out["flag_gathers"] = sum(e.seq > first and e.what == "the step's non-finite flags" for e in JOURNAL.entries)
         out.update(rank=rank, stage=0, dp_idx=rank, ties=[t.members for t in model.grad_sync.ties.values()],
                    params={n: v.clone() for n, v in model.grad_sync.full_parameters().items()})
     except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject

@@ -123,9 +123,10 @@ def test_a_plain_torch_optimizer_under_shard_false_never_applies_a_non_finite_gr
         assert by_name is not None and by_name.startswith("NonFiniteError: step 2 (of this run): "), by_name
 
 
-def test_a_plain_torch_optimizer_skips_a_non_finite_step_on_every_rank_under_on_nonfinite_skip(pipeline_runs):
-    """on_nonfinite="skip": the step's gradients are dropped, so the optimizer applies nothing (no weight decay
-    either); the parameters equal one process that skipped that step."""
+def test_plain_torch_optimizers_skip_a_non_finite_step_on_every_rank_under_on_nonfinite_skip(pipeline_runs):
+    """on_nonfinite="skip": the step's gradients are dropped, so neither of two optimizers (the embedding's and the
+    rest's) applies anything (no weight decay either); the parameters equal one process that skipped that step,
+    and the second optimizer asks no collective of its own (ranks stepping other optimizers would not join it)."""
     job = Job(pp=1, dp=2, steps=3)
     model, _ = build_model(job)
     opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
@@ -139,6 +140,7 @@ def test_a_plain_torch_optimizer_skips_a_non_finite_step_on_every_rank_under_on_
            "aliases": []}
     runs = [r["grads plain skip"] for r in pipeline_runs]
     assert all(run["error"] is None for run in runs), runs
+    assert all(run["flag_gathers"] == 0 for run in runs), [run["flag_gathers"] for run in runs]
     cmp = compare(ref, runs)
     assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
 

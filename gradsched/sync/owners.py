@@ -48,11 +48,15 @@ _VERDICT_HOOK = []
 
 def _verdict_first(optimizer, args, kwargs):
     """A torch optimizer's step over parameters a GradSync reduces whole: the step's non-finite verdict first (one
-    host read, the same answer on every rank), as DistributedOptimizer.step asks it. A bad step raises
-    NonFiniteError, or under on_nonfinite="skip" loses every gradient: torch's optimizers skip a parameter without
-    one, so the step applies nothing (weight decay and the step counts included). Without this, a NaN gradient
-    was applied (docs/faults.md: never)."""
-    if getattr(optimizer, "_gradsched_asked", False):  # DistributedOptimizer's own optimizer: it asked already
+    host read per GradSync and reduction, the same answer on every rank), as DistributedOptimizer.step asks it. A
+    bad step raises NonFiniteError, or under on_nonfinite="skip" loses every gradient: torch's optimizers skip a
+    parameter without one, so the step applies nothing (weight decay and the step counts included). Without this,
+    a NaN gradient was applied (docs/faults.md: never). Not asked: DistributedOptimizer's own optimizer (it asked),
+    a step under AMP's GradScaler (it owns an overflow: a fused step skips it on the device) and a step with a
+    closure (LBFGS: its gradients come after this hook)."""
+    if getattr(optimizer, "_gradsched_asked", False) or kwargs.get("grad_scaler") is not None or \
+            getattr(optimizer, "found_inf", None) is not None or kwargs.get("closure") is not None or \
+            len(args) > 1 and args[1] is not None:  # args: (optimizer, closure)
         return
     syncs = {}  # each GradSync once, in the order its parameters come (the same on every rank)
     for g in optimizer.param_groups:
@@ -60,14 +64,33 @@ def _verdict_first(optimizer, args, kwargs):
             sync = getattr(p, "_gradsched_sync", None)
             if sync is not None and not sync.options.shard:  # sharded: refused by _refuse_full_parameter_step
                 syncs.setdefault(id(sync), sync)
-    from gradsched.sync import nonfinite  # imports the sync package's runtime pieces: here, not at import
-    applied = [nonfinite.check(sync, sync.options.on_nonfinite) for sync in syncs.values()]
-    if not all(applied):
-        for sync in syncs.values():
-            sync.clear_results()
+    applied = all([_verdict(sync) for sync in syncs.values()])  # every one asked (a list, not a short circuit)
+    if not applied:
         for g in optimizer.param_groups:
             for p in g["params"]:
                 p.grad = None
+
+
+_VERDICTS = weakref.WeakKeyDictionary()  # GradSync -> (its sync_runs when asked, the verdict)
+
+
+def _verdict(sync) -> bool:
+    """`sync`'s verdict on its latest reduction, asked once: several optimizers over one model (an embedding's and
+    the rest's) share it, with no second collective, which ranks stepping other optimizers would not join. A skip
+    drops every gradient of the model, as DistributedOptimizer.step does; a raise leaves the step refused for
+    any later optimizer too."""
+    from gradsched.sync import nonfinite  # imports the sync package's runtime pieces: here, not at import
+    known = _VERDICTS.get(sync)
+    if known is not None and known[0] == sync.sync_runs:
+        return known[1]
+    _VERDICTS[sync] = (sync.sync_runs, False)
+    applied = nonfinite.check(sync, sync.options.on_nonfinite)
+    _VERDICTS[sync] = (sync.sync_runs, applied)
+    if not applied:
+        sync.clear_results()
+        for p in sync.params.values():
+            p.grad = None
+    return applied
 
 
 def sync_of(params) -> "GradSync | None":  # gradsched.sync.runtime's
