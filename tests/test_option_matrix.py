@@ -28,14 +28,14 @@ TOL = 1e-5
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
         param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", layers=2,
-        **options):
+        ties=None, **options):
     # several stages a rank (zbv, interleaved_1f1b, stages_per_rank): pp x that many stages, split evenly
     stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                schedule=schedule, split_points=tuple(f"blocks.{i * layers // stages}" for i in range(1, stages)),
                config=GPTConfig(vocab=vocab, layers=layers), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
-               capture_code=capture_code, options={"compiler": "eager", **options})
+               capture_code=capture_code, ties=ties, options={"compiler": "eager", **options})
 
 
 CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the clipping acts
@@ -48,6 +48,8 @@ CASES = {
     # two ties between one stage pair, of equal sizes (silent before)
     "pp2_dp2_two_ties_equal_sizes_clip_shard_aligned": job(2, 2, variant="hidden_tie", vocab=32, microbatches=2,
                                                            mode="shard_aligned", clip=CLIP),
+    # the tie declared by hand (parallelize's ties=), not discovered
+    "pp2_dp2_ties_declared_m2": job(2, 2, microbatches=2, ties=[{0: "wte.weight", 1: "lm_head.weight"}]),
     # placement, both ways round (the second under GPipe, with the rank checks off and its graphs dumped)
     "pp2_dp2_placement_backward_no_tie": job(2, 2, variant="untied", placement="backward", microbatches=2),
     "pp2_dp2_gpipe_placement_flush_no_rank_check_dumped_m2": job(2, 2, schedule="gpipe", placement="flush",
