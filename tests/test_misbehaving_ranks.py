@@ -81,8 +81,8 @@ def test_a_global_batch_without_a_labelled_token_is_a_non_finite_loss_never_appl
                                           "non-finite first, in its loss"), r["unlabelled"]
 
 
-def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skipped_it(pipeline_runs):
-    job = Job(pp=2, dp=1, steps=3)
+def one_process_skipping_step_2(job: Job) -> dict:
+    """The unsplit model's parameters after job.steps steps on the global batch, the second step not applied."""
     model, _ = build_model(job)
     opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
     for step in range(job.steps):
@@ -93,6 +93,11 @@ def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skippe
         opt.zero_grad()
     ref = {"params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
            "aliases": []}
+    return ref
+
+
+def test_skip_drops_the_step_on_every_rank_and_ends_like_one_process_that_skipped_it(pipeline_runs):
+    ref = one_process_skipping_step_2(Job(pp=2, dp=1, steps=3))
     runs = [r["skip"] for r in pipeline_runs]
     assert [r["skipped"] for r in runs] == [1, 1]
     cmp = compare(ref, runs)
@@ -127,17 +132,7 @@ def test_plain_torch_optimizers_skip_a_non_finite_step_on_every_rank_under_on_no
     """on_nonfinite="skip": the step's gradients are dropped, so neither of two optimizers (the embedding's and the
     rest's) applies anything (no weight decay either); the parameters equal one process that skipped that step,
     and the second optimizer asks no collective of its own (ranks stepping other optimizers would not join it)."""
-    job = Job(pp=1, dp=2, steps=3)
-    model, _ = build_model(job)
-    opt = optimizer_class(job)(model.parameters(), **optimizer_kwargs(job))
-    for step in range(job.steps):
-        x, y = batch(job, step)
-        lm_loss(model(x), y).backward()
-        if step != 1:
-            opt.step()
-        opt.zero_grad()
-    ref = {"params": {n: p.detach().clone() for n, p in model.named_parameters(remove_duplicate=False)},
-           "aliases": []}
+    ref = one_process_skipping_step_2(Job(pp=1, dp=2, steps=3))
     runs = [r["grads plain skip"] for r in pipeline_runs]
     assert all(run["error"] is None for run in runs), runs
     assert all(run["flag_gathers"] == 0 for run in runs), [run["flag_gathers"] for run in runs]
