@@ -43,6 +43,8 @@ class Job:
     host_reads: tuple = ()  # steps (from 0) whose host reads of device values are recorded (result "reads")
     inject_host_read: bool = False  # then one more step with an .item() added in the loss weighting ("injected")
     optimizer: str = "adamw"  # or "sgd": its update is the gradient itself, so scale errors show
+    plain_optimizer: bool = False  # shard=False: torch.optim's own over model.parameters(), built before the first
+    # step (as a user writes it), instead of gradsched.DistributedOptimizer
     labels: str = "full"  # "padded": right padding with ignore_index, some sequences (and a micro-batch) empty
     loss: str = "mean"  # "sum": lm_loss_sum, for average=False
     variant: str = ""  # tiny_gpt only: "untied" (no tie at all), "hidden_tie" (blocks.1.proj = blocks.0.proj too)
@@ -200,8 +202,11 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     model = gradsched.parallelize(model.to(getattr(torch, job.dtype)), plan=plan, loss_fn=job.loss_fn,
                                   split_points=split_points if job.pp > 1 else (), schedule=job.schedule, ties=job.ties,
                                   **opts)
-    opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
-                                         **optimizer_kwargs(job))
+    if job.plain_optimizer:
+        opt = optimizer_class(job)(torch_groups(job, model), **optimizer_kwargs(job))
+    else:
+        opt = gradsched.DistributedOptimizer(model, optimizer_class(job), param_groups=group_options(job),
+                                             **optimizer_kwargs(job))
     dp_idx, cp_idx = plan.index("dp"), plan.index("cp")
     grads = None
     per_rank = job.global_batch // job.dp
@@ -254,6 +259,10 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         # what the user's model itself still holds (under pp > 1: this rank's stage, the rest released)
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),
+        # a plain optimizer built before the split holds every stage's Parameters: the others' storage is released
+        "plain_optimizer_bytes": sum({id(p): p.untyped_storage().nbytes() for g in opt.param_groups
+                                      for p in g["params"]}.values()) if job.plain_optimizer else None,
+        "stage_param_bytes": sum({id(p): p.untyped_storage().nbytes() for _, p in model.named_parameters()}.values()),
         # a tied weight's copy the split leaves on a stage that never reads it (stage 0 keeps the head's): released
         "stale_bytes": sum(t.untyped_storage().nbytes() for n, t in model.model_state.trained_module().named_parameters(
             remove_duplicate=False) if n in model.model_state.stale_names()),

@@ -568,7 +568,8 @@ def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, sav
     pm = gradsched.parallelize(model, plan=plan, loss_fn=lm_loss, split_points=split_points if pp > 1 else (),
                                init_weights=init, compiler="eager", **options)
     opt = gradsched.DistributedOptimizer(pm, torch.optim.SGD, lr=0.5)
-    refused = None
+    plain = torch.optim.SGD(pm.parameters(), lr=0.5)  # over the meta Parameters: refused at its step
+    refused = plain_refused = None
     if save_dir:  # before the first step nothing is allocated: a checkpoint would hold (or load into) nothing
         try:
             gradsched.save(save_dir, pm, opt, step=0)
@@ -586,11 +587,16 @@ def meta_built_training(rank, world, pp: int, options: dict, steps: int = 2, sav
             pm.train_step(x[dp_idx * per:(dp_idx + 1) * per], y[dp_idx * per:(dp_idx + 1) * per])
         except ValueError as e:  # a refusal, said on every rank before anything was sent
             return {"refused": str(e), "stage": plan.stage}
+        if step == 0:
+            try:
+                plain.step()
+            except RuntimeError as e:
+                plain_refused = str(e)
         opt.step()
         opt.zero_grad()
     if save_dir:
         gradsched.save(save_dir, pm, opt, step=steps)
-    return {"state": pm.state_dict(), "stage": plan.stage, "refused": refused,
+    return {"state": pm.state_dict(), "stage": plan.stage, "refused": refused, "plain_refused": plain_refused,
             "trained": [n for n, _ in pm.named_parameters()],
             "meta_trained": [n for n, p in pm.named_parameters() if p.is_meta],
             "unsplit_real": [n for n, p in model.named_parameters() if not p.is_meta] if pp > 1 else []}

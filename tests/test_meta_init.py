@@ -71,6 +71,8 @@ def test_a_meta_built_model_trains_at_dp2_like_the_whole_model_in_one_process(re
     for r in run_ranks(meta_built_training, 2, 1, {}, 2, str(tmp_path)):
         assert max(abs_diff(r["state"][k], v) for k, v in reference.items()) < 1e-5
         assert r["meta_trained"] == []
+        # a torch optimizer built over the meta Parameters would step nothing: refused, saying when to build it
+        assert "no longer trains" in r["plain_refused"] and "after the first train_step" in r["plain_refused"]
         # a checkpoint saved (or loaded) before the first step would hold (or fill) nothing
         assert "is still on the meta device" in r["refused"] and "model.allocate(inputs, targets)" in r["refused"]
 

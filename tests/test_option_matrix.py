@@ -28,14 +28,14 @@ TOL = 1e-5
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
         param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", layers=2,
-        ties=None, **options):
+        ties=None, plain_optimizer=False, **options):
     # several stages a rank (zbv, interleaved_1f1b, stages_per_rank): pp x that many stages, split evenly
     stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
                schedule=schedule, split_points=tuple(f"blocks.{i * layers // stages}" for i in range(1, stages)),
                config=GPTConfig(vocab=vocab, layers=layers), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
-               capture_code=capture_code, ties=ties, options={"compiler": "eager", **options})
+               capture_code=capture_code, ties=ties, plain_optimizer=plain_optimizer, options={"compiler": "eager", **options})
 
 
 CLIP = 0.05  # below every step's gradient norm in these cases (asserted): the clipping acts
@@ -57,6 +57,9 @@ CASES = {
                                                                  dump_dir="/tmp/gradsched-matrix-dump"),
     # average=False: loss_fn is a sum, gradients are summed
     "pp2_dp2_sum_all_reduce_clip_m2": job(2, 2, loss="sum", average=False, shard=False, clip=CLIP, microbatches=2),
+    # torch.optim's own SGD over model.parameters(), built before the first step (shard=False): the rank trains the
+    # user's tied Parameter (the split's copy of it was trained before, and the user's never stepped)
+    "pp2_dp2_all_reduce_plain_sgd_m2": job(2, 2, shard=False, microbatches=2, plain_optimizer=True),
     # buckets: many small ones, padded (a vocab of 97; with clipping below), another reduce dtype; pp=1 reduces
     # them in the backward graph
     "pp1_dp4_backward_m2_reduce_fp64_small_buckets": job(1, 4, vocab=97, bucket_mb=0.004, reduce_dtype="float64",
@@ -87,6 +90,9 @@ CASES = {
     # a summed loss (average=False) with float64 reductions in a V (the tie one Parameter, early reductions)
     "pp2_dp2_zbv_sum_reduce_fp64_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, loss="sum", average=False,
                                           reduce_dtype="float64"),
+    # the same with AdamW in a V (the tie's copies one Parameter on rank 0: the user's)
+    "pp2_dp2_zbv_all_reduce_plain_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
+                                                 steps=3, shard=False, plain_optimizer=True),
     "pp2_dp2_interleaved_1f1b_untied_clip_all_reduce_m4": job(2, 2, schedule="interleaved_1f1b", layers=4,
                                                               variant="untied", clip=CLIP, shard=False, microbatches=4),
     "pp2_dp2_zb1p_two_stages_a_rank_m4": job(2, 2, schedule="zb1p", stages_per_rank=2, layers=4, microbatches=4,
@@ -176,6 +182,9 @@ def assert_like_one_process(job_, ranks):
     assert all(r["sync_runs"] == job_.steps for r in ranks)  # each collective once per step
     for r in ranks:
         assert r["sync_graph_buckets"] == expected_placement(job_, r)
+    if job_.plain_optimizer:  # built over the whole model before the split: it holds this rank's stage alone after
+        assert all(r["plain_optimizer_bytes"] == r["stage_param_bytes"] for r in ranks), \
+            [(r["plain_optimizer_bytes"], r["stage_param_bytes"]) for r in ranks]
     for r in ranks:  # one truth for parameters: the trained ones, each once; the whole model's state dict
         assert sorted(r["named_parameters"]) == sorted(r["params"])
         assert list(r["state_dict"]) == list(ref["state_keys"])

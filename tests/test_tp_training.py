@@ -190,6 +190,13 @@ def test_the_last_stage_hands_its_loss_the_logits_split_over_the_vocabulary(rank
         assert all(shape[-1] * JOBS[name].tp in r["vocab"] for shape in r["loss_logits"]), (r["loss_logits"], r["vocab"])
 
 
+def test_a_torch_optimizer_built_before_the_shards_are_cut_is_refused_at_its_step(ranks):
+    # built over model.parameters() before the first step, it holds the whole Parameters, which get no gradient
+    refused = [(name, r["plain_refused"]) for name in TRAINED for r in ranks[name] if r["partitions"]]
+    assert refused and all(why is not None and "no longer trains" in why and "tensor-parallel shard" in why
+                           for _, why in refused), refused
+
+
 def test_the_tp_ranks_of_a_stage_shard_the_same_parameters_along_the_same_dims(ranks):
     for name in TRAINED:
         for stage in {r["stage"] for r in ranks[name]}:

@@ -83,6 +83,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     model = gradsched.parallelize(model_of(job), plan=plan, loss_fn=in_graph_loss, compiler=job.compiler,
                                   shard=job.shard, microbatches=job.microbatches, **pipeline, **job.options)
     opt = gradsched.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
+    plain = torch.optim.SGD(model.parameters(), lr=0.0)  # built before the shards are cut: refused at its step
+    plain_refused = None
     dp_idx, per_rank = plan.index("dp"), job.global_batch // job.dp
     losses, grads, norms = [], None, []
     for step in range(job.steps):
@@ -91,6 +93,11 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         loss = model.train_step(x[sl], y[sl])
         losses.append(None if loss is None else float(loss))  # None on a stage before the last
         grads = grads or reduced_gradients(model.grad_sync)
+        if step == 0:
+            try:
+                plain.step()
+            except RuntimeError as e:
+                plain_refused = str(e)
         if job.clip:
             norms.append(gradsched.clip_grad_norm_(model, job.clip).item())
         if job.perturb and step == job.steps - 1 and plan.index("tp") == 1:
@@ -107,7 +114,7 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
     partitions = {n: (p.dim, p.segments) for n, w in whole.items()
                   if shards is not None and (p := shards.partition_of(w)) is not None}
     built = model.grad_sync.built
-    return {"losses": losses, "stage": plan.stage, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
+    return {"plain_refused": plain_refused, "losses": losses, "stage": plan.stage, "grads": grads, "norms": norms, "tp_idx": plan.index("tp"), "partitions": partitions,
             "state": model.state_dict(), "proved": built.tp_proof.proved if built.tp_proof else None,
             "held_bytes": sum(p.untyped_storage().nbytes() for p in whole.values()),
             # what a rank would hold of whole parameters: the replicated ones it trains, by shape (none under

@@ -1,6 +1,7 @@
 """Which GradSync reduces a parameter's gradient, found from the parameter; a torch optimizer refused over
-parameters whose gradient exists only as a GradSync's shards; and one over parameters reduced whole (shard=False)
-held to the step's non-finite verdict, as DistributedOptimizer is."""
+parameters whose gradient exists only as a GradSync's shards, or that the model no longer trains (built before
+allocation or tensor-parallel sharding); and one over parameters reduced whole (shard=False) held to the step's
+non-finite verdict, as DistributedOptimizer is."""
 from __future__ import annotations
 
 import bisect
@@ -12,26 +13,52 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 # A GradSync with shard=True leaves no .grad on its parameters: an ordinary torch.optim optimizer
 # over them would step nothing. The first GradSync that shards installs a step pre-hook that says so.
 _SHARDED = weakref.WeakValueDictionary()  # id -> parameter
+# A Parameter the model no longer trains, another tensor trained in its place: a meta one once allocated, a whole
+# one once its tensor-parallel shard is cut. An optimizer built before (over model.parameters()) holds it, and
+# would silently step nothing: the same hook refuses it.
+_SUPERSEDED = weakref.WeakValueDictionary()  # id -> parameter
 _HOOK = []
 
 
 def mark_sharded(params) -> None:
     for p in params:
         _SHARDED[id(p)] = p
+    _install_refusal()
+
+
+def mark_superseded(params, by: str) -> None:
+    """`by`: what the model trains in these parameters' place, for the refusal's message."""
+    for p in params:
+        _SUPERSEDED[id(p)] = p
+        p._gradsched_superseded_by = by
+    _install_refusal()
+
+
+def _install_refusal() -> None:
     if not _HOOK:
-        _HOOK.append(register_optimizer_step_pre_hook(_refuse_full_parameter_step))
+        _HOOK.append(register_optimizer_step_pre_hook(_refuse_untrained_step))
 
 
 def is_sharded(p) -> bool:
     return _SHARDED.get(id(p)) is p  # by identity: tensors' == is elementwise
 
 
-def _refuse_full_parameter_step(optimizer, args, kwargs):
-    if any(is_sharded(p) for g in optimizer.param_groups for p in g["params"]):
+def _refuse_untrained_step(optimizer, args, kwargs):
+    name = type(optimizer).__name__
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    old = [p for p in params if _SUPERSEDED.get(id(p)) is p]
+    if old:
+        instead = old[0]._gradsched_superseded_by
         raise RuntimeError(
-            f"{type(optimizer).__name__}.step() over full parameters that gradsched reduces into shards: their "
+            f"{name}.step() over {len(old)} parameter(s) the model no longer trains ({instead} trains in the place "
+            f"of a {tuple(old[0].shape)} one): the optimizer was built over model.parameters() before "
+            "gradsched built the model, and would step nothing there. Build it after the first train_step (or "
+            f"model.allocate(inputs, targets)), or use gradsched.DistributedOptimizer(model, torch.optim.{name}, ...).")
+    if any(is_sharded(p) for p in params):
+        raise RuntimeError(
+            f"{name}.step() over full parameters that gradsched reduces into shards: their "
             ".grad is empty and the step would do nothing. Use gradsched.DistributedOptimizer(model, "
-            f"torch.optim.{type(optimizer).__name__}, ...) instead, or shard=False for plain data parallel.")
+            f"torch.optim.{name}, ...) instead, or shard=False for plain data parallel.")
 
 
 def attach(sync, params) -> None:

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 from gradsched.passes.tp_layouts import take_chunk
+from gradsched.sync.owners import mark_superseded
 
 
 def local_shard(full: torch.Tensor, partition, tp: int, rank: int) -> torch.Tensor:
@@ -48,6 +49,7 @@ class TensorParallelShards:
         self._by_shard[id(shard)] = partition
         with torch.no_grad():
             whole.untyped_storage().resize_(0)
+        mark_superseded([whole], f"its tensor-parallel shard {tuple(shard.shape)}")
         return shard
 
     def of(self, whole) -> torch.nn.Parameter | None:

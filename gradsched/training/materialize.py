@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gradsched.sync.owners import mark_superseded
+
 
 def on_meta(model: nn.Module) -> bool:
     """True for a model built on the meta device; a model partly there is refused (its real tensors would be
@@ -178,4 +180,6 @@ def _allocate(modules: list, device: torch.device) -> None:
                 if t is not None and t.is_meta:
                     if id(t) not in new:
                         new[id(t)] = make(t)
+                        if isinstance(t, nn.Parameter):
+                            mark_superseded([t], f"a {device} tensor allocated for the meta one")
                     table[key] = new[id(t)]

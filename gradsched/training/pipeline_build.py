@@ -28,6 +28,7 @@ from gradsched.training.pipeline_schedule import CUT_BACKWARD, pipeline_schedule
 from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, check_stage_count,
                                                checkpoint_stage_modules, checkpointed_calls, hf_checkpointed_layers,
                                                pass_through_skips, release_other_stages, release_stale_copies,
+                                               train_the_users_tied_parameters,
                                                warn_checkpointing_dropped)
 from gradsched.training.stage_values import StageValues
 from gradsched.training.virtual_stages import RankStages, merge_local_ties, refuse_with_several_stages, stage_ranks
@@ -148,6 +149,7 @@ def compile_split(state: ModelState, staging: Staging, split: Split, compile_wit
     if lost:
         warn_checkpointing_dropped(lost, state.plan.pp)
     state.ties = split.ties
+    train_the_users_tied_parameters(state.model, modules, split.ties)  # what model.parameters() hands an optimizer
     if staging.stages_per_rank == 1:
         state.stage_module = modules[state.local[0]]
         state.grad_sync = _grad_sync(state, staging, split.ties)

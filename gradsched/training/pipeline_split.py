@@ -8,7 +8,8 @@ check_adjacent_stages refuses what is left; checkpointed_calls records which cal
 while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkpoint themselves,
 and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_stale_copies frees a
 tied weight's copy the split leaves on a stage that never reads it; release_other_stages
-drops what the user's model still holds of the other stages once this rank's stage is built.
+drops what the user's model still holds of the other stages once this rank's stage is built;
+train_the_users_tied_parameters makes a tie's copy on this rank the user's own Parameter.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import operator
 import torch
 import torch.nn as nn
 
+from gradsched.sync.ties import used_parameters
 from gradsched.user_errors import StageError
 
 
@@ -239,7 +241,10 @@ def release_other_stages(model: nn.Module, stage_module: nn.Module) -> int:
     """Under pp > 1 the user's model still holds every stage's tensors after the split, though this rank trains
     its own stage's only: the others' are replaced by meta tensors of their shapes (as a model built on meta
     has them; a tensor shared by several modules stays one), so that a model built for real costs a rank its
-    stage alone. Returns the bytes released."""
+    stage alone. An optimizer built over `model.parameters()` before the split still holds the originals (never
+    stepped here: they get no gradient) and would keep the whole model alive on every rank: each is given an
+    empty tensor in place of its values (not a freed storage under its old shape, which a read, such as LBFGS's
+    update of every parameter, would take for memory). Returns the bytes released."""
     mine = {id(t) for t in (*stage_module.parameters(), *stage_module.buffers())}
     replaced, released = {}, 0
     for mod in model.modules():
@@ -251,8 +256,21 @@ def release_other_stages(model: nn.Module, stage_module: nn.Module) -> int:
                     released += t.untyped_storage().nbytes()
                     empty = torch.empty_like(t, device="meta")
                     replaced[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+                    t.data = torch.empty(0, dtype=t.dtype, device=t.device)  # a view's storage stays its own
                 table[name] = replaced[id(t)]
     return released
+
+
+def _release(storage) -> int:
+    """Frees a storage in place (its tensors keep their shapes); 0 for one that cannot be resized (memory-mapped
+    from a checkpoint file: the file keeps it, not this process's memory)."""
+    nbytes = storage.nbytes()
+    try:
+        with torch.no_grad():
+            storage.resize_(0)
+    except RuntimeError:
+        return 0
+    return nbytes
 
 
 def release_stale_copies(stage_module: nn.Module, stale: set) -> int:
@@ -265,7 +283,42 @@ def release_stale_copies(stage_module: nn.Module, stale: set) -> int:
     for n, t in stage_module.named_parameters(remove_duplicate=False):
         storage = t.untyped_storage()
         if n in stale and not t.is_meta and storage.nbytes() and storage.data_ptr() not in kept:
-            released += storage.nbytes()
-            with torch.no_grad():
-                storage.resize_(0)
+            released += _release(storage)
     return released
+
+
+def train_the_users_tied_parameters(model: nn.Module, modules: dict, ties: list) -> int:
+    """The split gives a tied weight a new Parameter on each stage that reads it, while `model.parameters()` (what
+    a plain torch optimizer is handed, often before the first step) holds the user's own: that one never got a
+    gradient and the tie was never stepped. Each copy this rank's stages read (`modules`: stage -> module) is
+    made the user's Parameter under its name, whose values it already has. Not on meta (allocation makes new
+    Parameters there: an optimizer built before it is refused, gradsched.sync.owners), nor where the user's model
+    holds another tensor under that name (a tie declared by hand between two Parameters), nor where its storage
+    is released (the dry run splits once for every role of one model). Returns the copies replaced."""
+    replaced = 0
+    for tie in ties:
+        for stage, name in tie.members:
+            if stage not in modules:
+                continue
+            try:
+                copy, own = modules[stage].get_parameter(name), model.get_parameter(name)
+            except AttributeError:  # a tie declared by hand under a name that is no parameter: named at its check
+                continue
+            if own is copy or own.is_meta or copy.is_meta or own.shape != copy.shape or own.dtype != copy.dtype or \
+                    own.untyped_storage().nbytes() < own.numel() * own.element_size():  # released (dry run roles)
+                continue
+            with torch.no_grad():
+                own.copy_(copy)  # the same values, unless the split's copy moved or was re-initialised
+            read = used_parameters(modules[stage])
+            for n, p in list(modules[stage].named_parameters(remove_duplicate=False)):
+                if n == name:
+                    _set(modules[stage], n, own)
+                elif p is own and n not in read:  # the split left the user's under a name the stage never reads
+                    _set(modules[stage], n, copy)  # (the head's, on the first stage): the copy takes its place there
+            replaced += 1
+    return replaced
+
+
+def _set(module: nn.Module, name: str, p: nn.Parameter) -> None:
+    parent, _, attr = name.rpartition(".")
+    (module.get_submodule(parent) if parent else module)._parameters[attr] = p
