@@ -260,6 +260,8 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
         "unsplit_numel_held": sum(t.numel() for t in model.unsplit_module().parameters() if not t.is_meta),
         "stage_numel": sum(t.numel() for _, t in model.named_parameters()),
         # a plain optimizer built before the split holds every stage's Parameters: the others' storage is released
+        # several stages a rank: the copies its stages hold of a tie and never read (a V's, on rank 0): released
+        "unread_tied_bytes": unread_tied_bytes(model),
         "plain_optimizer_bytes": sum({id(p): p.untyped_storage().nbytes() for g in opt.param_groups
                                       for p in g["params"]}.values()) if job.plain_optimizer else None,
         "stage_param_bytes": sum({id(p): p.untyped_storage().nbytes() for _, p in model.named_parameters()}.values()),
@@ -282,6 +284,13 @@ def rank_main(rank: int, world: int, job: Job) -> dict:
 def recording(on: bool):
     from gradsched.training import host_reads
     return host_reads.recording() if on else contextlib.nullcontext()
+
+
+def unread_tied_bytes(model) -> int:
+    from gradsched.sync.ties import used_parameters
+    names = {n for t in model.ties for _, n in t.members}
+    return sum(t.untyped_storage().nbytes() for m in getattr(model.model_state.stage_module, "stage_modules", ())
+               for n, t in m.named_parameters(remove_duplicate=False) if n in names and n not in used_parameters(m))
 
 
 def step_with_an_injected_read(model, opt, job: Job, dp_idx: int) -> list:

@@ -205,6 +205,8 @@ def test_under_the_v_the_ties_copies_are_one_parameter_on_rank_0_and_no_collecti
         v = eager_runs[name]
         assert all(r["tied_bytes_per_step"] == 0 and r["ties"] == [] for r in v), name
         assert all(("tie on this rank: wte.weight = lm_head.weight" in r["report"]) == (r["stage"] == 0) for r in v)
+        # the split's copies of it under the other name on each of rank 0's stages, never read: released
+        assert all(r["unread_tied_bytes"] == 0 for r in v), [r["unread_tied_bytes"] for r in v]
     # looped, the same model's first and last stage sit on different ranks: the tie is summed over them
     looped = eager_runs["pp2_dp2_zb1p_two_stages_a_rank_m4"]
     assert all(r["tied_bytes_per_step"] > 0 and len(r["ties"]) == 1 for r in looped)

@@ -28,7 +28,7 @@ from gradsched.training.pipeline_schedule import CUT_BACKWARD, pipeline_schedule
 from gradsched.training.pipeline_split import (check_adjacent_stages, check_first_stage_inputs, check_stage_count,
                                                checkpoint_stage_modules, checkpointed_calls, hf_checkpointed_layers,
                                                pass_through_skips, release_other_stages, release_stale_copies,
-                                               train_the_users_tied_parameters,
+                                               release_unread_tied_copies, train_the_users_tied_parameters,
                                                warn_checkpointing_dropped)
 from gradsched.training.stage_values import StageValues
 from gradsched.training.virtual_stages import RankStages, merge_local_ties, refuse_with_several_stages, stage_ranks
@@ -172,6 +172,8 @@ def start_pipeline(state: ModelState, staging: Staging, built: Built, values: St
     release_other_stages(state.model, state.stage_module)  # the other stages' weights: not this rank's to keep
     values.make_replicas_equal(state.stage_module)
     release_stale_copies(state.stage_module, state.stale_names())  # after the broadcast, which sends them
+    release_unread_tied_copies(getattr(state.stage_module, "stage_modules", ()),
+                               {n for t in state.ties for _, n in t.members})
     device = next(built.module.parameters()).device  # the stage runs where its weights are
     return pipeline_schedule(staging.schedule, built.stages, staging.num_stages, state.plan, state.grad_sync, m, device,
                              global_loss, timeline)

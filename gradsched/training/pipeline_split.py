@@ -9,7 +9,8 @@ while it is traced, hf_checkpointed_layers finds Hugging Face layers that checkp
 and checkpoint_stage_modules checkpoints the same submodules of a stage again. release_stale_copies frees a
 tied weight's copy the split leaves on a stage that never reads it; release_other_stages
 drops what the user's model still holds of the other stages once this rank's stage is built;
-train_the_users_tied_parameters makes a tie's copy on this rank the user's own Parameter.
+train_the_users_tied_parameters makes a tie's copy on this rank the user's own Parameter;
+release_unread_tied_copies frees the copies a rank's stages hold of a tie and never read (several a rank).
 """
 from __future__ import annotations
 
@@ -284,6 +285,27 @@ def release_stale_copies(stage_module: nn.Module, stale: set) -> int:
         storage = t.untyped_storage()
         if n in stale and not t.is_meta and storage.nbytes() and storage.data_ptr() not in kept:
             released += _release(storage)
+    return released
+
+
+def release_unread_tied_copies(stage_modules: list, tie_names: set) -> int:
+    """Several stages a rank: where a tie's copies are all read on this rank (a V: the embedding by the first
+    stage, the head by the last), each stage still holds the split's copy under the other's name, which no
+    stale name covers and no one reads: a vocabulary x hidden matrix each. Released, unless a tensor some stage
+    of the rank reads shares its storage. Returns the bytes."""
+    read = set()
+    for m in stage_modules:
+        used = used_parameters(m)
+        read |= {t.untyped_storage().data_ptr() for n, t in m.named_parameters(remove_duplicate=False) if n in used}
+        read |= {t.untyped_storage().data_ptr() for t in m.buffers()}
+    released = 0
+    for m in stage_modules:
+        used = used_parameters(m)
+        for n, t in m.named_parameters(remove_duplicate=False):
+            storage = t.untyped_storage()
+            if n in tie_names and n not in used and not t.is_meta and storage.nbytes() and \
+                    storage.data_ptr() not in read:
+                released += _release(storage)
     return released
 
 
