@@ -65,6 +65,7 @@ class ParallelModel:
     stages = property(lambda self: self.built.stages if self.built else None)
     global_loss = property(lambda self: self.driver.global_loss)
     timeline = property(lambda self: self.driver.timeline)
+    skipped_steps = property(lambda self: self.grad_sync.skipped_steps if self.grad_sync else 0)  # plain optimizers'
 
     def _compile_with(self, module, grad_sync, last: bool = False):
         # a pipeline's last stage under tp: its logits left split over the vocabulary, for the loss-parallel loss

@@ -225,6 +225,7 @@ def _nan_in_one_ranks_gradients(rank, shard, reduce_dtype=None, plain="") -> dic
         # gathers of the flags beside the step's own (one an optimizer asking again would add)
         out["flag_gathers"] = sum(e.seq > first and e.what == "the step's non-finite flags" for e in JOURNAL.entries)
         out.update(rank=rank, stage=0, dp_idx=rank, ties=[t.members for t in model.grad_sync.ties.values()],
+                   skipped=model.skipped_steps,
                    params={n: v.clone() for n, v in model.grad_sync.full_parameters().items()})
     except Exception as e:  # noqa: BLE001 - what each rank says is the test's subject
         out["error"] = f"{type(e).__name__}: {e}"

@@ -136,6 +136,7 @@ def test_plain_torch_optimizers_skip_a_non_finite_step_on_every_rank_under_on_no
     runs = [r["grads plain skip"] for r in pipeline_runs]
     assert all(run["error"] is None for run in runs), runs
     assert all(run["flag_gathers"] == 0 for run in runs), [run["flag_gathers"] for run in runs]
+    assert all(run["skipped"] == 1 for run in runs), [run["skipped"] for run in runs]  # counted once, not per optimizer
     cmp = compare(ref, runs)
     assert cmp["max_abs_diff"] < TOL and cmp["tied_bitwise_equal"]
 

@@ -5,6 +5,7 @@ non-finite verdict, as DistributedOptimizer is."""
 from __future__ import annotations
 
 import bisect
+import warnings
 import weakref
 
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -117,6 +118,9 @@ def _verdict(sync) -> bool:
         sync.clear_results()
         for p in sync.params.values():
             p.grad = None
+        sync.skipped_steps += 1  # said: a plain optimizer's step returns nothing to tell it by
+        warnings.warn(f"gradsched: a step's gradients went non-finite and were dropped (on_nonfinite='skip'); "
+                      f"{sync.skipped_steps} step(s) skipped so far (model.skipped_steps).", RuntimeWarning, stacklevel=2)
     return applied
 
 

@@ -70,6 +70,7 @@ class GradSync(StageResults):
         self.verdicts: dict[str, Verdict] = {}  # graph -> its verifier's verdict, once checked
         self.backward_calls = 0  # for reports and tests only: nothing is decided by counting
         self.sync_runs = 0  # steps whose gradients were reduced: once per optimizer step
+        self.skipped_steps = 0  # of them, dropped by a plain torch optimizer's step under on_nonfinite="skip"
         self.flush_seconds: list[float] = []  # wall time of each flush graph run
         self.attention_reports: list = []  # ContextParallelReport of each compiled forward (cp > 1)
         self.param_shards = None  # shard="params": where the parameters live (gradsched.sync.param_shards)
