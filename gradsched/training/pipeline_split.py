@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from gradsched.sync.ties import used_parameters
 from gradsched.user_errors import StageError
+from gradsched.training.virtual_stages import set_parameter
 
 
 def check_stage_count(pipe, split_points, model_name: str) -> None:
@@ -334,13 +335,8 @@ def train_the_users_tied_parameters(model: nn.Module, modules: dict, ties: list)
             read = used_parameters(modules[stage])
             for n, p in list(modules[stage].named_parameters(remove_duplicate=False)):
                 if n == name:
-                    _set(modules[stage], n, own)
+                    set_parameter(modules[stage], n, own)
                 elif p is own and n not in read:  # the split left the user's under a name the stage never reads
-                    _set(modules[stage], n, copy)  # (the head's, on the first stage): the copy takes its place there
+                    set_parameter(modules[stage], n, copy)  # (the head's, on the first stage): the copy takes its place there
             replaced += 1
     return replaced
-
-
-def _set(module: nn.Module, name: str, p: nn.Parameter) -> None:
-    parent, _, attr = name.rpartition(".")
-    (module.get_submodule(parent) if parent else module)._parameters[attr] = p

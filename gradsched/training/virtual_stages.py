@@ -41,14 +41,14 @@ def merge_local_ties(modules: dict[int, nn.Module], ties: list[Tie], ranks: list
             if len(copies) > 1 and copies[0][0] in modules:  # on this rank: the later copies become the first
                 keep = modules[copies[0][0]].get_parameter(copies[0][1])
                 for stage, name in copies[1:]:
-                    _set_parameter(modules[stage], name, keep)
+                    set_parameter(modules[stage], name, keep)
                 merged.append(list(dict.fromkeys(n for _, n in copies)))  # the kept copy's name first
         if len(by_rank) > 1:
             across.append(Tie(tuple(sorted((r, copies[0][1]) for r, copies in by_rank.items()))))
     return sorted(across, key=lambda t: t.key), merged
 
 
-def _set_parameter(module: nn.Module, name: str, p: nn.Parameter) -> None:
+def set_parameter(module: nn.Module, name: str, p: nn.Parameter) -> None:
     parent, _, attr = name.rpartition(".")
     owner = module.get_submodule(parent) if parent else module
     owner._parameters[attr] = p
