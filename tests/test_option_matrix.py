@@ -28,11 +28,12 @@ TOL = 1e-5
 
 def job(pp, dp, cp=1, *, optimizer="sgd", labels="padded", loss="mean", variant="", vocab=64, steps=2, clip=0.0,
         param_groups="", host_reads=(), inject_host_read=False, capture_code=False, schedule="auto", layers=2,
-        ties=None, plain_optimizer=False, **options):
+        ties=None, plain_optimizer=False, split_points=None, **options):
     # several stages a rank (zbv, interleaved_1f1b, stages_per_rank): pp x that many stages, split evenly
     stages = pp * options.get("stages_per_rank", 2 if schedule in ("zbv", "dualpipev", "interleaved_1f1b") else 1)
+    split_points = split_points or tuple(f"blocks.{i * layers // stages}" for i in range(1, stages))
     return Job(pp=pp, dp=dp, cp=cp, steps=steps, optimizer=optimizer, labels=labels, loss=loss, variant=variant,
-               schedule=schedule, split_points=tuple(f"blocks.{i * layers // stages}" for i in range(1, stages)),
+               schedule=schedule, split_points=split_points,
                config=GPTConfig(vocab=vocab, layers=layers), lr=(0.5 if optimizer == "sgd" else 1e-3) / (128 if loss == "sum" else 1),
                clip=clip, param_groups=param_groups, host_reads=host_reads, inject_host_read=inject_host_read,
                capture_code=capture_code, ties=ties, plain_optimizer=plain_optimizer, options={"compiler": "eager", **options})
@@ -87,9 +88,12 @@ CASES = {
     # two stages a rank: in a V (the tie's copies on rank 0, one Parameter), looped (the tie across the ranks)
     "pp2_dp2_zbv_adamw_small_buckets_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
                                               steps=3, bucket_mb=0.004),
-    # a summed loss (average=False) with float64 reductions in a V (the tie one Parameter, early reductions)
-    "pp2_dp2_zbv_sum_reduce_fp64_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, loss="sum", average=False,
-                                          reduce_dtype="float64"),
+    # a summed loss (average=False) with float64 reductions in a V (the tie one Parameter, early reductions), its
+    # stages begun inside blocks (at a block's MLP: the residual crosses the boundary beside the norm's input), the
+    # first and the last a half block each, as balanced_split_points may cut them
+    "pp2_dp2_zbv_sum_reduce_fp64_split_in_blocks_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, loss="sum",
+                                                          average=False, reduce_dtype="float64",
+                                                          split_points=("blocks.0.ln2", "blocks.2", "blocks.3.ln2")),
     # the same with AdamW in a V (the tie's copies one Parameter on rank 0: the user's)
     "pp2_dp2_zbv_all_reduce_plain_adamw_m4": job(2, 2, schedule="zbv", layers=4, microbatches=4, optimizer="adamw",
                                                  steps=3, shard=False, plain_optimizer=True),
@@ -244,12 +248,18 @@ def expected_placement(job_, r) -> dict:
     return {k: v for k, v in parts.items() if v}
 
 
+BLOCK_ORDER = ("ln1", "qkv", "proj", "ln2", "fc", "out")  # the tiny GPT block's submodules in the order they run
+
+
 def stage_of(split_points: list, name: str) -> int:
     """The stage of parameter `name` of the tiny GPT or a Hugging Face decoder (the tied embedding is the first
-    stage's; the final norm and the LM head the last's)."""
-    layer = re.search(r"(?:blocks|layers)\.(\d+)\.", name)
-    if layer:
-        return sum(int(p.rsplit(".", 1)[1]) <= int(layer.group(1)) for p in split_points)
+    stage's; the final norm and the LM head the last's). A split point may begin a stage inside a tiny GPT block
+    ("blocks.3.ln2": its MLP on)."""
+    def place(path: str) -> tuple:
+        layer, sub = re.search(r"(?:blocks|layers)\.(\d+)(?:\.(\w+))?", path).groups()
+        return int(layer), BLOCK_ORDER.index(sub) if sub in BLOCK_ORDER else 0
+    if re.search(r"(?:blocks|layers)\.\d+\.", name):
+        return sum(place(p) <= place(name) for p in split_points)
     return len(split_points) if re.search(r"(^|\.)(ln_f|norm|lm_head)\.", name) else 0  # (a HF model's model.model.norm)
 
 

@@ -121,14 +121,26 @@ def test_past_the_exhaustive_limit_the_v_still_balances_its_ranks(monkeypatch):
     assert busiest(fallback) == busiest(exhaustive) == 5.0
 
 
-def test_candidates_out_of_the_models_order_or_unknown_are_refused_before_anything_runs():
+def test_candidates_out_of_the_order_the_model_runs_them_or_unknown_are_refused_before_any_piece_is_timed():
     import pytest
     model = Wide()
     x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 2048, (1, 8))
-    with pytest.raises(ValueError, match="not in the model's order"):
+    with pytest.raises(ValueError, match="not in the order the model runs them"):
         balanced_split_points(model, (x,), y, _loss, ["blocks.2", "blocks.1"], pp=2)
     with pytest.raises(ValueError, match=r"\['blocks.9'\] name no submodule"):
         balanced_split_points(model, (x,), y, _loss, ["blocks.1", "blocks.9"], pp=2)
+
+
+def test_candidates_inside_a_block_in_the_order_it_runs_them_not_the_order_it_registers_them_are_cut_there():
+    from tiny_gpt import GPTConfig, TinyGPT, lm_loss
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=64, seq=16, dim=32, heads=2, layers=2))
+    x, y = torch.randint(0, 64, (1, 16)), torch.randint(0, 64, (1, 16))
+    runs = ["blocks.0.proj", "blocks.0.ln2", "blocks.1", "blocks.1.proj", "blocks.1.ln2"]  # ln2 registers before proj
+    chosen = balanced_split_points(model, (x,), y, lm_loss, runs, pp=2, repeats=1)
+    assert len(chosen) == 1 and chosen[0] in runs
+    with pytest.raises(ValueError, match="not in the order the model runs them"):
+        balanced_split_points(model, (x,), y, lm_loss, ["blocks.0.ln2", "blocks.0.proj"], pp=2, repeats=1)
 
 
 def test_an_unknown_schedule_or_a_string_of_candidates_is_refused():

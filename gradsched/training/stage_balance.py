@@ -63,7 +63,7 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
     if len(candidates) < len(ranks) - 1:
         raise ValueError(f"{len(candidates)} candidate split points cannot make {len(ranks)} stages "
                          f"({pp} ranks x {v}): give at least {len(ranks) - 1}.")
-    _check_in_model_order(model, candidates)
+    _check_names(model, candidates)
     device = example[0].device
     error, costs = None, torch.zeros(len(candidates) + 1, 3, dtype=torch.float64, device=device)
     try:
@@ -96,17 +96,24 @@ def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp
     return tuple(candidates[i - 1] for i in starts.tolist())
 
 
-def _check_in_model_order(model, candidates) -> None:
-    """Each candidate a submodule, in the order the model registers them (the order its pieces run in)."""
-    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    missing = [c for c in candidates if c not in order]
+def _check_names(model, candidates) -> None:
+    """Each candidate a submodule, none twice (their order is checked where the model is split: measure_pieces)."""
+    names = {name for name, _ in model.named_modules()}
+    missing = [c for c in candidates if c not in names]
     if missing:
         raise ValueError(f"balanced_split_points: {missing} name no submodule of {type(model).__name__}: give module "
                          "names that begin a stage, as parallelize's split_points (e.g. 'blocks.1').")
-    at = [order[c] for c in candidates]
-    if at != sorted(set(at)):
-        raise ValueError(f"balanced_split_points: candidates {list(candidates)} are not in the model's order (or "
-                         "repeat one): list them in the order the model runs them.")
+    if len(set(candidates)) != len(candidates):
+        raise ValueError(f"balanced_split_points: candidates {list(candidates)} repeat a name: list each once.")
+
+
+def _check_in_run_order(pieces, candidates) -> None:
+    """Piece i + 1 begins with candidates[i]: the candidates were listed in the order the model runs them. (Not the
+    order it registers them: a block may register both norms before its attention, and a stage may begin at either.)
+    Out of order, each name would be given another piece's time."""
+    if not all(c in dict(piece.named_modules()) for piece, c in zip(pieces[1:], candidates)):
+        raise ValueError(f"balanced_split_points: candidates {list(candidates)} are not in the order the model runs "
+                         "them: list them in that order.")
 
 
 def choose_stages(costs: list[float], ranks: list[int], step=None) -> list[int]:
@@ -193,6 +200,7 @@ def measure_pieces(model, example: tuple, target, loss_fn, candidates, repeats: 
     check_stage_count(pipe, candidates, type(model).__name__)
     pass_through_skips(pipe)  # each piece then takes the previous piece's outputs only
     plain = [pipe.get_stage_module(i) for i in range(len(candidates) + 1)]
+    _check_in_run_order(plain, candidates)
     params = {id(p): p for m in (model, *plain) for p in m.parameters()}.values()
     pieces = plain
     if compiler == "inductor":  # each piece's own graph (a module of its own: no cache shared between pieces)
