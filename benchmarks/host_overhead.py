@@ -9,7 +9,8 @@ A 2-layer GPT (dim 64), 8 micro-batches of one sequence per rank, AdamW. gradsch
 and FSDP2 (fully_shard per block and at the root, torch.compile, gradient sync on the last micro-batch only)
 run the same pp x dp processes as plain data parallel, each rank with the same 8 micro-batches. All of them run
 on the same processes, their steps interleaved (a step of each in turn: the machine's own noise falls on all
-alike). Steps 1 to 4 warm up (compiles); steps 5 to 25 are timed; then 5 more of each run under cProfile.
+alike). Steps 1 to 4 warm up (compiles); steps 5 to 25 are timed; then 5 more of each run under cProfile. The
+processes' malloc keeps freed memory for reuse (common.keep_freed_memory), as a GPU's caching allocator does.
 gradsched_allreduce is gradsched with shard=False (the gradients all-reduced, as DDP does). One JSON object per
 implementation:
 
@@ -43,7 +44,7 @@ import time
 
 import torch
 
-from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RESULTS, emit, keep_freed_memory  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from tied_training import Job, batch, build_model
 from tiny_gpt import GPTConfig, lm_loss
@@ -194,6 +195,7 @@ def main(argv=None) -> int:
     # per-block compiles and gradsched's whole-stage ones do not share processes (Dynamo's caches are per code
     # object, and fully_shard's hooks break the model's graph for every compile of it)
     others = [i for i in args.impl if i != "ddp"] or ["ddp"]
+    keep_freed_memory()  # every implementation's processes alike: malloc reuses what it freed, as on a GPU
     rows = []
     for other in others:
         impls = ["ddp"] + ([other] if other != "ddp" else [])

@@ -16,7 +16,9 @@ ScheduleInterleavedZeroBubble running the untied copy of the model in eager (the
 stages under it, and torchtitan refuses ties under pipeline parallelism). Every schedule's model is built and
 its steps 1 to --warmup run (compiling) first; then the timed steps go in rounds, one step of each schedule a
 round, in an order rotated every round (this machine's speed drifts more than the schedules differ: taken in
-turns, a drift reaches them alike). Each timed step starts at a barrier. One JSON object per schedule:
+turns, a drift reaches them alike). Each timed step starts at a barrier. The ranks' malloc keeps freed memory
+for reuse (common.keep_freed_memory, as a GPU's caching allocator does): glibc's default page-faulted each
+compiled W's gradients back in, ~100K faults a step, which torch's eager backward mostly escaped. One JSON object per schedule:
 
   split_points              where the stages begin (the same for every rank)
   step_ms_median            median over the timed steps of the slowest rank's step (train_step, optimizer step)
@@ -46,7 +48,7 @@ from dataclasses import replace
 import torch
 
 import cpu_peak  # benchmarks/cpu_peak.py: every thread's allocations and frees
-from common import RESULTS, emit  # benchmarks/common.py (the script's folder is on sys.path)
+from common import RESULTS, emit, keep_freed_memory  # benchmarks/common.py (the script's folder is on sys.path)
 from gradsched.launch import run_ranks
 from gradsched.training.pipeline_schedule import Timeline
 from tied_training import Job, batch, build_model, gradient_error, reduced_gradients, reference
@@ -258,6 +260,7 @@ def main() -> None:
     if CONFIG.layers % (2 * a.pp if set(a.schedules) & set(SEVERAL) else a.pp):
         ap.error(f"--pp {a.pp} (x 2 stages a rank for {SEVERAL}) does not divide the model's {CONFIG.layers} layers")
     cpu_peak.build()  # compiled once here, before the ranks load it
+    keep_freed_memory()  # before the ranks start: they inherit it
     per_rank = run_ranks(bench_rank, a.pp, a, timeout_s=3000, collective_timeout_s=600)
     results = {name: [r[name] for r in per_rank] for name in per_rank[0]}
     refs = {v: reference(job_for(a.pp, a.microbatches, "1f1b", "eager", variant=v)) for v in ("", "untied")}
