@@ -43,7 +43,7 @@ SIMULATED = 5_000  # the same, when each cut's step is simulated (~0.2 ms each a
 def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp: int, schedule: str = "1f1b",
                           stages_per_rank: int | None = None, repeats: int = 5,
                           compiler: str = "eager", microbatches: int | None = None) -> tuple[str, ...]:
-    """The pp x (stages a rank) - 1 names of `candidates` (in model order: the points where a stage may begin,
+    """The pp x (stages a rank) - 1 names of `candidates` (in the order the model runs them: the points where a stage may begin,
     e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
     micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
     process group is up), with real weights: it runs the model. compiler="inductor": each piece is timed as
