@@ -294,17 +294,16 @@ def release_unread_tied_copies(stage_modules: list, tie_names: set) -> int:
     stage, the head by the last), each stage still holds the split's copy under the other's name, which no
     stale name covers and no one reads: a vocabulary x hidden matrix each. Released, unless a tensor some stage
     of the rank reads shares its storage. Returns the bytes."""
+    used = [used_parameters(m) for m in stage_modules]
     read = set()
-    for m in stage_modules:
-        used = used_parameters(m)
-        read |= {t.untyped_storage().data_ptr() for n, t in m.named_parameters(remove_duplicate=False) if n in used}
+    for m, names in zip(stage_modules, used):
+        read |= {t.untyped_storage().data_ptr() for n, t in m.named_parameters(remove_duplicate=False) if n in names}
         read |= {t.untyped_storage().data_ptr() for t in m.buffers()}
     released = 0
-    for m in stage_modules:
-        used = used_parameters(m)
+    for m, names in zip(stage_modules, used):
         for n, t in m.named_parameters(remove_duplicate=False):
             storage = t.untyped_storage()
-            if n in tie_names and n not in used and not t.is_meta and storage.nbytes() and \
+            if n in tie_names and n not in names and not t.is_meta and storage.nbytes() and \
                     storage.data_ptr() not in read:
                 released += _release(storage)
     return released

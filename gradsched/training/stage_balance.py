@@ -43,14 +43,15 @@ SIMULATED = 5_000  # the same, when each cut's step is simulated (~0.2 ms each a
 def balanced_split_points(model, example: tuple, target, loss_fn, candidates, pp: int, schedule: str = "1f1b",
                           stages_per_rank: int | None = None, repeats: int = 5,
                           compiler: str = "eager", microbatches: int | None = None) -> tuple[str, ...]:
-    """The pp x (stages a rank) - 1 names of `candidates` (in the order the model runs them: the points where a stage may begin,
-    e.g. every block but the first) to pass to parallelize as split_points, for `schedule`. `example` is one
-    micro-batch of model inputs (a tuple), `target` its targets. Call it on every rank (an all-reduce when a
-    process group is up), with real weights: it runs the model. compiler="inductor": each piece is timed as
-    torch.compile runs it (Inductor speeds blocks more than an LM head: eager times then overload the ranks of
-    blocks), at the cost of compiling every piece once before the timed runs. Under several stages a rank (V and
-    looped schedules) the cut is the one whose step, simulated in the schedule's own order over `microbatches`
-    (default 2 pp) from each piece's measured F, B and W, is shortest (gradsched.training.schedule_simulation)."""
+    """The pp x (stages a rank) - 1 names of `candidates` (in the order the model runs them: the points where a
+    stage may begin, e.g. every block but the first, or also inside blocks) to pass to parallelize as split_points,
+    for `schedule`. `example` is one micro-batch of model inputs (a tuple), `target` its targets. Call it on every
+    rank (an all-reduce when a process group is up), with real weights: it runs the model. compiler="inductor": each
+    piece is timed as torch.compile runs it (Inductor speeds blocks more than an LM head: eager times then overload
+    the ranks of blocks), at the cost of compiling every piece once before the timed runs. Under several stages a
+    rank (V and looped schedules) the cut is the one whose step, simulated in the schedule's own order over
+    `microbatches` (default 2 pp) from each piece's measured F, B and W, is shortest
+    (gradsched.training.schedule_simulation)."""
     if compiler not in ("eager", "inductor"):
         raise ValueError(f"balanced_split_points: compiler={compiler!r}: 'eager' or 'inductor'.")
     if schedule not in SCHEDULES:
